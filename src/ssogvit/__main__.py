@@ -1,0 +1,5 @@
+import sys
+
+from ssogvit.cli import main
+
+sys.exit(main())
