@@ -1,0 +1,79 @@
+"""``Attention``: the multi-head self-attention baseline (SPEC section 5), with the same call as ``SSoGAttention``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ssogvit import ops
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Standard multi-head self-attention with timm's parameter names (``qkv``, ``proj``).
+
+    Args:
+        dim: token width ``D``.
+        num_heads: ``H``; must divide ``dim``.
+        qkv_bias: bias of the QKV projection (on, as in ViT).
+        proj_bias: bias of the output projection.
+        fused: use ``F.scaled_dot_product_attention``; ``False`` runs the explicit ``softmax(QK^T/sqrt(dh)) V`` path.
+        attn_drop: dropout on the attention probabilities.
+        proj_drop: dropout after the output projection.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        fused: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.fused = fused
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, return_attn: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend over all tokens. ``grid`` is checked against the token count but not otherwise used.
+
+        Args:
+            x: ``(B, T, D)``.
+            grid: ``(Gh, Gw)`` of the patch tokens, optional.
+            return_attn: also return the ``(B, H, T, T)`` attention matrix (explicit path, diagnostics only).
+        """
+        if x.ndim != 3:
+            raise ValueError(f"Attention expects x of shape (B, T, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
+        if grid is not None:
+            ops.check_grid(x.shape[1], grid)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
+        attn = None
+        if self.fused and not return_attn:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            attn = torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)  # (B, H, T, T)
+            y = self.attn_drop(attn) @ v
+        y = self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return (y, attn) if return_attn else y
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, fused={self.fused}"

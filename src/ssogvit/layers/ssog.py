@@ -1,0 +1,256 @@
+"""``SSoGAttention``: the SSoG token mixer as a drop-in replacement for multi-head attention (SPEC sections 2-4, 10)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ssogvit import ops, reference
+
+__all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS"]
+
+STEER_PATHS = ("mu", "sigma", "lambda")
+SSOG_IMPLS = ops.SSOG_IMPLS
+_GATE_FLOOR = 1e-4
+
+
+def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
+    if steer is None or steer == "none":
+        return ()
+    if steer == "all":
+        return STEER_PATHS
+    if isinstance(steer, str):
+        steer = [s for s in steer.replace("+", ",").split(",") if s]
+    steer = tuple(steer)
+    unknown = [s for s in steer if s not in STEER_PATHS]
+    if unknown:
+        raise ValueError(f"unknown steering path(s) {unknown}; expected a subset of {STEER_PATHS} (or 'all')")
+    return tuple(p for p in STEER_PATHS if p in steer)
+
+
+class SSoGAttention(nn.Module):
+    """Separable sum-of-Gaussians token mixer.
+
+    Each head mixes value features through ``num_atoms`` axis-factorised Gaussian kernels over relative grid position,
+    optionally steered per token by the content (``steer``). No queries or keys; the ``N x N`` matrix is never built
+    on the fast path. Called as ``attn(x, grid=(Gh, Gw))`` with ``x`` of shape ``(B, P + Gh*Gw, D)``.
+
+    Args:
+        dim: token width ``D``.
+        num_heads: ``H``; must divide ``dim``.
+        num_atoms: Gaussian atoms per head ``R``.
+        steer: steered paths, a subset of ``("mu", "sigma", "lambda")``, ``"all"`` or ``()`` for the fixed field.
+        radius: steering radius ``M`` in grid cells (bound on the centre offset).
+        sigma_min: lower bound on the width, in grid cells.
+        tau_min: lower bound on the temperature.
+        eps_sigma: added to the width.
+        gate_init: initial raw gate ``alpha`` (``-8`` cold, ``-2`` warm); a float, or a mapping from path to float.
+        mu_init_std: standard deviation of the initial centres.
+        rho_init: initial raw width.
+        theta_init: initial raw temperature.
+        per_head_temperature: one temperature per head instead of one per mixer.
+        bias: bias of the value and output projections.
+        prefix_pool: ``"mean"`` (prefix tokens get the mean patch value) or ``"none"`` (no prefix tokens allowed).
+        proj_drop: dropout after the output projection.
+        impl: fixed-field contraction, one of ``SSOG_IMPLS``.
+        head_chunk: heads per chunk of steered kernel tables (``None``: chosen from the problem size).
+        cache_kernels: reuse the fixed-field kernel tables between calls while neither the parameters nor the grid
+            change and no gradient is needed (inference).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        num_atoms: int = 4,
+        steer: str | Iterable[str] | None = (),
+        radius: float = 4.0,
+        sigma_min: float = 0.25,
+        tau_min: float = 0.5,
+        eps_sigma: float = 1e-4,
+        gate_init: float | Mapping[str, float] = -8.0,
+        mu_init_std: float = 0.5,
+        rho_init: float = -0.5,
+        theta_init: float = -1.0,
+        per_head_temperature: bool = False,
+        bias: bool = True,
+        prefix_pool: str = "mean",
+        proj_drop: float = 0.0,
+        impl: str = "auto",
+        head_chunk: int | None = None,
+        cache_kernels: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if num_atoms < 1:
+            raise ValueError(f"num_atoms must be >= 1, got {num_atoms}")
+        if not sigma_min > 0:
+            raise ValueError(f"sigma_min must be > 0, got {sigma_min}")
+        if not tau_min > 0:
+            raise ValueError(f"tau_min must be > 0, got {tau_min}")
+        if not radius > 0:
+            raise ValueError(f"radius must be > 0, got {radius}")
+        if prefix_pool not in ("mean", "none"):
+            raise ValueError(f"unknown prefix_pool {prefix_pool!r}; expected 'mean' or 'none'")
+        if impl not in SSOG_IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; expected one of {SSOG_IMPLS}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.num_atoms = num_atoms
+        self.steer = _parse_steer(steer)
+        self.radius = float(radius)
+        self.sigma_min = float(sigma_min)
+        self.tau_min = float(tau_min)
+        self.eps_sigma = float(eps_sigma)
+        self.prefix_pool = prefix_pool
+        self.impl = impl
+        self.head_chunk = head_chunk
+        self.cache_kernels = cache_kernels
+
+        h, r = num_heads, num_atoms
+        self.v = nn.Linear(dim, dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.mu = nn.Parameter(torch.randn(h, r, 2) * mu_init_std)
+        self.rho = nn.Parameter(torch.full((h, r, 2), float(rho_init)))
+        self.ell = nn.Parameter(torch.zeros(h, r))
+        self.theta = nn.Parameter(torch.full((h,) if per_head_temperature else (), float(theta_init)))
+
+        gates = dict(gate_init) if isinstance(gate_init, Mapping) else {p: float(gate_init) for p in STEER_PATHS}
+        unknown = set(gates) - set(STEER_PATHS)
+        if unknown:
+            raise ValueError(f"unknown gate(s) {sorted(unknown)} in gate_init; expected keys from {STEER_PATHS}")
+        out_features = {"mu": h * r * 2, "sigma": h * r * 2, "lambda": h * r}
+        for path in self.steer:
+            lin = nn.Linear(dim, out_features[path])
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+            setattr(self, f"{path}_steer", lin)
+            setattr(self, f"alpha_{path}", nn.Parameter(torch.tensor(float(gates.get(path, -8.0)))))
+        self._kernel_cache: tuple | None = None
+
+    # -- the field -------------------------------------------------------------------------------------------------
+
+    def sigma(self) -> Tensor:
+        """Widths ``(H, R, 2)`` in grid cells."""
+        return ops.field_sigma(self.rho, self.sigma_min, self.eps_sigma)
+
+    def tau(self) -> Tensor:
+        """Temperature: a scalar, or ``(H,)`` with ``per_head_temperature``."""
+        return ops.field_tau(self.theta, self.tau_min)
+
+    def mixture(self) -> Tensor:
+        """Mixture weights ``lambda`` ``(H, R)`` on the simplex."""
+        return torch.softmax(self.ell, dim=-1)
+
+    def gates(self) -> dict[str, Tensor]:
+        """Steering gate values ``s = softplus(alpha) + 1e-4`` of the enabled paths."""
+        return {p: F.softplus(getattr(self, f"alpha_{p}")) + _GATE_FLOOR for p in self.steer}
+
+    def _tau_hr(self) -> Tensor:
+        tau = self.tau()
+        return tau[:, None] if tau.ndim else tau  # broadcastable to (H, R)
+
+    def axis_kernels(self, grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """Fixed-field kernels ``(K^y (H, R, Gh, Gh), K^x (H, R, Gw, Gw))``."""
+        gh, gw = grid
+        sigma, tau = self.sigma(), self._tau_hr()
+        ky = ops.axis_kernels(gh, self.mu[..., 0], sigma[..., 0], tau)
+        kx = ops.axis_kernels(gw, self.mu[..., 1], sigma[..., 1], tau)
+        return ky, kx
+
+    def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        use_cache = self.cache_kernels and not torch.is_grad_enabled()
+        if use_cache:
+            params = (self.mu, self.rho, self.ell, self.theta)
+            key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
+            if self._kernel_cache is not None and self._kernel_cache[0] == key:
+                return self._kernel_cache[1]
+        ky, kx = self.axis_kernels(grid)
+        tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype))
+        if use_cache:
+            self._kernel_cache = (key, tables)
+        return tables
+
+    def geometry(self, x_patches: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-token geometry predicted from the (normalised) patch tokens ``(B, N, D)``.
+
+        Returns:
+            ``mu (B, N, H, R, 2)``, ``sigma (B, N, H, R, 2)``, ``lambda (B, N, H, R)``; paths that are not steered
+            are the fixed field broadcast over tokens.
+        """
+        b, n, _ = x_patches.shape
+        h, r = self.num_heads, self.num_atoms
+        gates = self.gates()
+        mu = self.mu.expand(b, n, h, r, 2)
+        sigma = self.sigma().expand(b, n, h, r, 2)
+        logits = self.ell.expand(b, n, h, r)
+        if "mu" in self.steer:
+            mu = mu + gates["mu"] * self.radius * torch.tanh(self.mu_steer(x_patches)).view(b, n, h, r, 2)
+        if "sigma" in self.steer:
+            sigma = sigma * torch.exp(gates["sigma"] * torch.tanh(self.sigma_steer(x_patches)).view(b, n, h, r, 2))
+        if "lambda" in self.steer:
+            logits = logits + gates["lambda"] * torch.tanh(self.lambda_steer(x_patches)).view(b, n, h, r)
+        return mu, sigma, torch.softmax(logits, dim=-1)
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+
+    def forward(
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, return_attn: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Mix tokens.
+
+        Args:
+            x: ``(B, P + Gh*Gw, D)``, prefix tokens first, patches in raster order.
+            grid: ``(Gh, Gw)``, required.
+            return_attn: also return the dense ``(B, H, T, T)`` mixing matrix (slow; diagnostics only).
+        """
+        if x.ndim != 3:
+            raise ValueError(f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
+        if grid is None:
+            raise ValueError("SSoGAttention needs the patch grid: call attn(x, grid=(Gh, Gw))")
+        gh, gw, p = ops.check_grid(x.shape[1], grid)
+        if p and self.prefix_pool == "none":
+            raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
+        x_patches = x[:, p:]
+        values = self.v(x_patches)  # (B, N, D)
+        if self.steer:
+            mu, sigma, lam = self.geometry(x_patches)
+            chunk = self.head_chunk or ops.default_head_chunk(x.shape[0], (gh, gw), self.num_heads, self.num_atoms, self.dim)
+            mixed = ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk)
+        else:
+            ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
+            mixed = ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl=self.impl)
+        if p:
+            mixed = torch.cat([ops.prefix_pool(values, p), mixed], dim=1)
+        out = self.proj_drop(self.proj(mixed))
+        if return_attn:
+            return out, self.attention_matrix(x, (gh, gw))
+        return out
+
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """The dense mixing matrix ``(B, H, T, T)`` this mixer applies to ``x`` (built by ``ssogvit.reference``)."""
+        gh, gw, p = ops.check_grid(x.shape[1], grid)
+        b = x.shape[0]
+        if self.steer:
+            mu, sigma, lam = self.geometry(x[:, p:])
+            a = reference.dense_steered_matrix(mu, sigma, lam, self.tau().to(mu.dtype), (gh, gw))
+        else:
+            a = reference.dense_fixed_matrix(self.mu, self.sigma(), self.mixture(), self.tau(), (gh, gw))
+            a = a.unsqueeze(0).expand(b, -1, -1, -1)
+        return reference.with_prefix(a, p).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        steer = ",".join(self.steer) or "none"
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, num_atoms={self.num_atoms}, steer={steer}, "
+            f"radius={self.radius}, sigma_min={self.sigma_min}, tau_min={self.tau_min}, impl={self.impl}"
+        )

@@ -1,0 +1,278 @@
+"""Functional core of SSoG: Gaussian axis kernels and the separable mixing they define (SPEC sections 2-4).
+
+Everything here is a function of plain tensors. Shapes use these letters:
+
+    B batch, H heads, R atoms, dh head width, D = H * dh,
+    Gh x Gw patch grid, N = Gh * Gw patch tokens in row-major raster order, P prefix tokens.
+
+The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for tests and diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "SSOG_IMPLS",
+    "field_sigma",
+    "field_tau",
+    "axis_kernels",
+    "token_axis_kernels",
+    "ssog_mix",
+    "ssog_mix_steered",
+    "prefix_pool",
+    "check_grid",
+]
+
+#: Implementations of the fixed separable contraction. ``"auto"`` picks one by problem size.
+SSOG_IMPLS = ("auto", "stacked", "loop", "einsum")
+
+
+def check_grid(num_tokens: int, grid: tuple[int, int]) -> tuple[int, int, int]:
+    """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``."""
+    try:
+        gh, gw = (int(g) for g in grid)
+    except (TypeError, ValueError):
+        raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}") from None
+    if gh < 1 or gw < 1:
+        raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}")
+    prefix = num_tokens - gh * gw
+    if prefix < 0:
+        raise ValueError(
+            f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw tokens with Gh={gh}, Gw={gw} "
+            f"(Gh*Gw={gh * gw}) and P >= 0 prefix tokens"
+        )
+    return gh, gw, prefix
+
+
+def field_sigma(rho: Tensor, sigma_min: float, eps_sigma: float) -> Tensor:
+    """Width ``sigma = sigma_min + softplus(rho) + eps_sigma``, in grid cells."""
+    return sigma_min + F.softplus(rho) + eps_sigma
+
+
+def field_tau(theta: Tensor, tau_min: float) -> Tensor:
+    """Temperature ``tau = tau_min + softplus(theta)``."""
+    return tau_min + F.softplus(theta)
+
+
+def _flush_tiny(k: Tensor) -> Tensor:
+    # Softmax tails far below the smallest normal number are denormals; a matmul that meets them runs several times
+    # slower on x86 CPUs. Their contribution is below rounding, so they are set to exactly zero (PERF-NOTES 1).
+    return k.masked_fill(k < torch.finfo(k.dtype).tiny, 0.0)
+
+
+def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
+    """Row-softmax Gaussian kernels along one grid axis.
+
+    ``K[..., i, j] = softmax_j( -(j - i - mu)^2 / (2 sigma^2 tau) )`` over the ``length`` positions inside the grid.
+
+    Args:
+        length: axis length ``L`` (``Gh`` or ``Gw``).
+        mu: atom centres along this axis, any shape ``S`` (e.g. ``(H, R)``), in grid cells.
+        sigma: widths, shape ``S``.
+        tau: temperature, broadcastable to ``S``.
+
+    Returns:
+        Kernels of shape ``S + (L, L)``; each row sums to 1.
+    """
+    pos = torch.arange(length, device=mu.device, dtype=mu.dtype)
+    delta = pos[None, :] - pos[:, None]  # (L, L): source j minus query i
+    scale = 2.0 * sigma.square() * tau  # S
+    logits = -(delta - mu[..., None, None]).square() / scale[..., None, None]  # S + (L, L)
+    return _flush_tiny(torch.softmax(logits, dim=-1))
+
+
+def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
+    """Per-token kernel rows along one axis (steered SSoG): ``K[..., j] = softmax_j(-(j - query - mu)^2 / (2 s^2 tau))``.
+
+    Args:
+        length: axis length ``L``.
+        query: the query index along the axis, broadcastable to ``mu``'s shape.
+        mu, sigma: per-token geometry, shape ``S``.
+        tau: temperature, broadcastable to ``S``.
+
+    Returns:
+        Kernel rows of shape ``S + (L,)``.
+    """
+    pos = torch.arange(length, device=mu.device, dtype=mu.dtype)
+    offset = (query + mu)[..., None]  # S + (1,)
+    logits = -(pos - offset).square() / (2.0 * sigma.square() * tau)[..., None]
+    return _flush_tiny(torch.softmax(logits, dim=-1))
+
+
+def prefix_pool(values: Tensor, num_prefix: int) -> Tensor:
+    """Mixer output of the prefix tokens: the mean of the patch values, once per prefix token (SPEC section 4).
+
+    Args:
+        values: patch values ``(B, N, D)``.
+        num_prefix: ``P``.
+
+    Returns:
+        ``(B, P, D)``.
+    """
+    return values.mean(dim=1, keepdim=True).expand(-1, num_prefix, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixed SSoG
+
+
+def ssog_mix(
+    values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *, impl: str = "auto"
+) -> Tensor:
+    """Separable fixed-SSoG mixing of patch values.
+
+    ``Y_h[iy, ix] = sum_r lam[h, r] sum_{jy, jx} ky[h, r, iy, jy] kx[h, r, ix, jx] V_h[jy, jx]``.
+
+    Args:
+        values: patch values ``(B, N, D)`` in raster order (``N = Gh * Gw``); may be a strided view.
+        grid: ``(Gh, Gw)``.
+        ky: y-axis kernels ``(H, R, Gh, Gh)``.
+        kx: x-axis kernels ``(H, R, Gw, Gw)``.
+        lam: mixture weights ``(H, R)``.
+        impl: ``"stacked"`` (atoms stacked inside one matmul per pass and head), ``"loop"`` (atom loop over
+            head-major blocks, fewer large temporaries), ``"einsum"`` (plain, for reference and benchmarks)
+            or ``"auto"``.
+
+    Returns:
+        Mixed values ``(B, N, D)``.
+    """
+    if impl == "auto":
+        impl = "stacked"
+    if impl == "stacked":
+        return _mix_stacked(values, grid, ky, kx, lam)
+    if impl == "loop":
+        return _mix_loop(values, grid, ky, kx, lam)
+    if impl == "einsum":
+        return _mix_einsum(values, grid, ky, kx, lam)
+    raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+
+
+def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+    b, n, d = values.shape
+    gh, gw = grid
+    h = ky.shape[0]
+    v = values.reshape(b, gh, gw, h, d // h)
+    u = torch.einsum("hrkl,bjlhd->bhrjkd", kx, v)  # x-pass, one copy per atom
+    y = torch.einsum("hr,hrij,bhrjkd->bikhd", lam, ky, u)  # y-pass and mixture
+    return y.reshape(b, n, d)
+
+
+def _mix_stacked(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+    # Per head: the x-pass stacks all atoms into one (R*Gw, Gw) kernel applied to each grid row, reading V in the
+    # tokens' own layout; the y-pass contracts (source row, atom) together with lambda folded into the y-kernels,
+    # so the sum over atoms happens inside the matmul. Temporaries: R/H of the activation per head.
+    b, n, d = values.shape
+    gh, gw = grid
+    h, r = lam.shape
+    dh = d // h
+    v = values.reshape(b * gh, gw, h, dh)
+    kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
+    ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
+    out = values.new_empty(b, gh, gw, h, dh)
+    for hi in range(h):
+        u = torch.matmul(kx_stack[hi], v[:, :, hi])  # (B*Gh, R*Gw, dh): layout (b, jy, r, ix, d)
+        y = torch.matmul(ky_fold[hi], u.view(b, gh * r, gw * dh))  # (B, Gh, Gw*dh)
+        out[:, :, :, hi] = y.view(b, gh, gw, dh)
+    return out.view(b, n, d)
+
+
+def _mix_loop(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+    # Head-major, one atom at a time, accumulating into one buffer per head: x-pass as a right-multiplication
+    # (B*Gh*dh, Gw) @ (Gw, Gw), y-pass as (Gh, Gh) @ (Gh, dh*Gw). One activation-sized temporary per head.
+    b, n, d = values.shape
+    gh, gw = grid
+    h, r = lam.shape
+    dh = d // h
+    v = values.reshape(b, gh, gw, h, dh)
+    kxt = kx.transpose(-1, -2)
+    ky_l = ky * lam[:, :, None, None]
+    out = values.new_empty(b, gh, gw, h, dh)
+    for hi in range(h):
+        vt = v[:, :, :, hi].transpose(-1, -2).reshape(b * gh * dh, gw)  # (B*Gh*dh, Gw): layout (b, jy, d, jx)
+        acc = None
+        for ri in range(r):
+            u = (vt @ kxt[hi, ri]).view(b, gh, dh * gw)  # x-pass
+            if acc is None:
+                acc = torch.matmul(ky_l[hi, ri], u)  # y-pass, (B, Gh, dh*Gw)
+            else:
+                acc = acc.baddbmm(ky_l[hi, ri].expand(b, gh, gh), u)
+        out[:, :, :, hi] = acc.view(b, gh, dh, gw).transpose(-1, -2)
+    return out.view(b, n, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Content-steered SSoG
+
+
+def ssog_mix_steered(
+    values: Tensor,
+    grid: tuple[int, int],
+    mu: Tensor,
+    sigma: Tensor,
+    lam: Tensor,
+    tau: Tensor,
+    *,
+    head_chunk: int | None = None,
+) -> Tensor:
+    """Separable mixing with per-token geometry (SPEC section 3).
+
+    Column pass ``U_r[iy, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k]`` (steered by the token at ``(iy, k)``),
+    row pass ``Y[iy, ix] = sum_r lam_(iy,ix)[r] sum_k K^x(g_(iy,ix))[r, ix, k] U_r[iy, k]`` (steered by the query).
+
+    Args:
+        values: patch values ``(B, N, D)``.
+        grid: ``(Gh, Gw)``.
+        mu: per-token centres ``(B, N, H, R, 2)``, axis order ``(y, x)``.
+        sigma: per-token widths ``(B, N, H, R, 2)``.
+        lam: per-token mixture weights ``(B, N, H, R)``.
+        tau: temperature, a scalar tensor or ``(H,)``.
+        head_chunk: heads processed together; bounds the per-token kernel tables to
+            ``B * N * head_chunk * R * (Gh + Gw)`` entries. ``None`` = all heads at once.
+
+    Returns:
+        Mixed values ``(B, N, D)``.
+    """
+    b, n, d = values.shape
+    gh, gw = grid
+    h, r = mu.shape[2], mu.shape[3]
+    dh = d // h
+    tau = tau.reshape(-1)
+    tau = tau.expand(h) if tau.numel() == 1 else tau
+    iy = torch.arange(gh, device=values.device, dtype=mu.dtype).view(1, gh, 1, 1, 1)
+    ix = torch.arange(gw, device=values.device, dtype=mu.dtype).view(1, 1, gw, 1, 1)
+    v = values.reshape(b, gh, gw, h, dh)
+    mu = mu.reshape(b, gh, gw, h, r, 2)
+    sigma = sigma.reshape(b, gh, gw, h, r, 2)
+    lam = lam.reshape(b, gh, gw, h, r)
+    chunk = h if head_chunk is None else max(1, int(head_chunk))
+    out = values.new_empty(b, gh, gw, h, dh)
+    for h0 in range(0, h, chunk):
+        hs = slice(h0, min(h, h0 + chunk))
+        c = hs.stop - h0
+        t = tau[hs].view(1, 1, 1, c, 1)
+        ky = token_axis_kernels(gh, iy, mu[:, :, :, hs, :, 0], sigma[:, :, :, hs, :, 0], t)  # (B, Gh, Gw, c, R, Gh)
+        kx = token_axis_kernels(gw, ix, mu[:, :, :, hs, :, 1], sigma[:, :, :, hs, :, 1], t)  # (B, Gh, Gw, c, R, Gw)
+        kx = kx * lam[:, :, :, hs, :, None]
+        ky, kx = ky.to(values.dtype), kx.to(values.dtype)
+        # column pass, batched over (b, k, h): ((iy, r), jy) @ (jy, d)
+        ky_b = ky.permute(0, 2, 3, 1, 4, 5).reshape(b * gw * c, gh * r, gh)
+        v_b = v[:, :, :, hs].permute(0, 2, 3, 1, 4).reshape(b * gw * c, gh, dh)
+        u = torch.bmm(ky_b, v_b).view(b, gw, c, gh, r, dh)  # U[b, k, h, iy, r, d]
+        # row pass, batched over (b, iy, h): (ix, (r, k)) @ ((r, k), d)
+        kx_b = kx.permute(0, 1, 3, 2, 4, 5).reshape(b * gh * c, gw, r * gw)
+        u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
+        y = torch.bmm(kx_b, u_b).view(b, gh, c, gw, dh)
+        out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
+    return out.view(b, n, d)
+
+
+def default_head_chunk(batch: int, grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:
+    """Heads per chunk so that one chunk's steered kernel tables stay within about a third of the activation."""
+    gh, gw = grid
+    per_head = atoms * (gh + gw)  # kernel entries per token and head
+    return max(1, min(heads, math.floor(dim / (3 * per_head)) or 1))

@@ -1,0 +1,268 @@
+"""The SSoG operator against its dense float64 reference, and the paper's claims about it (SPEC sections 2-4)."""
+
+import copy
+
+import pytest
+import torch
+
+from ssogvit import ops, reference
+from ssogvit.layers import STEER_PATHS, SSoGAttention, create_mixer
+
+GRIDS = [(1, 7), (5, 7), (14, 14)]
+STEERS = [(), ("mu",), ("sigma",), ("lambda",), STEER_PATHS]
+PREFIXES = [0, 1, 5]
+F64 = dict(dtype=torch.float64)
+
+
+def make_mixer(steer=(), dim=12, heads=3, atoms=3, open_gates=True, **kw):
+    m = SSoGAttention(dim, heads, num_atoms=atoms, steer=steer, gate_init=-1.0 if open_gates else -8.0, **kw).double()
+    with torch.no_grad():  # move off the initial point: non-trivial widths, mixtures, temperature, steering maps
+        m.rho.normal_(0.0, 0.7)
+        m.ell.normal_(0.0, 1.0)
+        m.theta.fill_(0.3)
+        for name, p in m.named_parameters():
+            if "_steer" in name:
+                p.normal_(0.0, 0.5)
+    return m
+
+
+def dense_forward(m, x, grid):
+    """Reference output: proj(A @ V) with A materialised by ssogvit.reference."""
+    a = m.attention_matrix(x, grid)
+    return m.proj(reference.dense_mix(a, m.v(x)))
+
+
+def rel_err(a, b):
+    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).detach())
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("steer", STEERS, ids=lambda s: "+".join(s) or "fixed")
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_fast_path_equals_dense_reference_forward_and_gradients(grid, steer, prefix):
+    m = make_mixer(steer)
+    x = torch.randn(2, prefix + grid[0] * grid[1], 12, **F64, requires_grad=True)
+    impls = ["stacked", "loop", "einsum"] if not steer else ["auto"]
+    y_ref = dense_forward(m, x, grid)
+    w = torch.randn_like(y_ref)
+    params = [x] + list(m.parameters())
+    g_ref = torch.autograd.grad((y_ref * w).sum(), params)
+    for impl in impls:
+        m.impl = impl
+        y = m(x, grid=grid)
+        assert rel_err(y, y_ref) < 1e-10, impl
+        g = torch.autograd.grad((y * w).sum(), params, allow_unused=True)
+        for (name, _), gi, gr in zip([("x", None)] + list(m.named_parameters()), g, g_ref):
+            assert gi is not None, f"{impl}: no gradient for {name}"
+            assert rel_err(gi, gr) < 1e-10, f"{impl}: gradient of {name}"
+
+
+@pytest.mark.parametrize("grid", [(1, 7), (3, 4)])
+@pytest.mark.parametrize("steer", STEERS, ids=lambda s: "+".join(s) or "fixed")
+def test_gradcheck_fast_path(grid, steer):
+    m = make_mixer(steer, dim=6, heads=2, atoms=2)
+    names = [n for n, _ in m.named_parameters()]
+    x = torch.randn(1, 1 + grid[0] * grid[1], 6, **F64, requires_grad=True)
+
+    def f(x, *params):
+        return torch.func.functional_call(m, dict(zip(names, params)), (x,), {"grid": grid})
+
+    assert torch.autograd.gradcheck(f, (x, *[p.detach().requires_grad_() for p in m.parameters()]), fast_mode=True)
+
+
+@pytest.mark.parametrize("steer", STEERS, ids=lambda s: "+".join(s) or "fixed")
+def test_every_row_of_the_mixing_matrix_sums_to_one(steer):
+    m = make_mixer(steer)
+    x = torch.randn(2, 3 + 5 * 6, 12, **F64)
+    a = m.attention_matrix(x, (5, 6))
+    assert a.shape == (2, 3, 33, 33)
+    assert (a >= 0).all()
+    torch.testing.assert_close(a.sum(-1), torch.ones(2, 3, 33, **F64), atol=1e-12, rtol=0)
+
+
+def test_patches_never_receive_mass_from_prefix_tokens():
+    m = make_mixer(STEER_PATHS)
+    grid, p = (4, 5), 3
+    x = torch.randn(2, p + 20, 12, **F64)
+    a = m.attention_matrix(x, grid)
+    assert torch.count_nonzero(a[..., p:, :p]) == 0
+    # and the output at the patches does not change when the prefix tokens do
+    x2 = x.clone()
+    x2[:, :p] = torch.randn(2, p, 12, **F64) * 10
+    torch.testing.assert_close(m(x, grid=grid)[:, p:], m(x2, grid=grid)[:, p:], atol=1e-12, rtol=0)
+
+
+def test_prefix_tokens_receive_the_mean_patch_value():
+    m = make_mixer()
+    x = torch.randn(2, 2 + 12, 12, **F64)
+    y = m(x, grid=(3, 4))
+    expected = m.proj(m.v(x[:, 2:]).mean(dim=1))
+    torch.testing.assert_close(y[:, 0], expected)
+    torch.testing.assert_close(y[:, 1], expected)
+
+
+def test_cold_gates_with_zero_steering_maps_equal_the_fixed_field():
+    fixed = SSoGAttention(24, 4, num_atoms=4)
+    steered = create_mixer("ssog-steered", 24, 4, num_atoms=4)  # cold gates (-8), zero-initialised maps
+    state = {k: v for k, v in steered.state_dict().items() if "steer" not in k and "alpha" not in k}
+    fixed.load_state_dict(state)
+    x = torch.randn(2, 1 + 6 * 7, 24)
+    torch.testing.assert_close(steered(x, grid=(6, 7)), fixed(x, grid=(6, 7)), atol=1e-6, rtol=1e-5)
+    # the maps are exactly zero, so the geometry is exactly the fixed field whatever the gates
+    mu, sigma, lam = steered.geometry(x[:, 1:])
+    torch.testing.assert_close(mu, steered.mu.expand_as(mu))
+    torch.testing.assert_close(sigma, steered.sigma().expand_as(sigma))
+
+
+def test_fixed_ssog_is_translation_equivariant_away_from_the_border():
+    m = SSoGAttention(8, 2, num_atoms=3, prefix_pool="none").double()
+    with torch.no_grad():
+        m.mu.uniform_(-1.0, 1.0)
+        m.rho.fill_(-3.0)  # narrow atoms (sigma about 0.3): the tails vanish within a few cells
+    gh = gw = 24
+    x = torch.zeros(1, gh, gw, 8, **F64)
+    x[:, 8:12, 8:12] = torch.randn(1, 4, 4, 8, **F64)
+    shifted = torch.roll(x, shifts=(3, 5), dims=(1, 2))
+    y = m(x.reshape(1, -1, 8), grid=(gh, gw)).reshape(1, gh, gw, 8)
+    y_shifted = m(shifted.reshape(1, -1, 8), grid=(gh, gw)).reshape(1, gh, gw, 8)
+    # away from the border the response moves with the input (the bias of V is constant everywhere)
+    inner = (slice(None), slice(6, 16), slice(6, 16))
+    inner_shifted = (slice(None), slice(9, 19), slice(11, 21))
+    torch.testing.assert_close(y_shifted[inner_shifted], y[inner], atol=1e-10, rtol=0)
+
+
+def test_rows_are_renormalised_at_the_border():
+    k = ops.axis_kernels(5, torch.tensor([3.0]), torch.tensor([2.0]), torch.tensor(1.0))
+    torch.testing.assert_close(k.sum(-1), torch.ones(1, 5))
+    assert k[0, 4].argmax() == 4  # a centre beyond the border puts the most mass on the last cell
+
+
+def test_rectangular_and_changing_grids_between_calls():
+    m = create_mixer("ssog", 16, 2)
+    for grid in [(1, 9), (3, 7), (7, 3), (5, 5)]:
+        x = torch.randn(2, 1 + grid[0] * grid[1], 16)
+        y, a = m(x, grid=grid, return_attn=True)
+        torch.testing.assert_close(y, m.proj(reference.dense_mix(a, m.v(x))), atol=1e-5, rtol=1e-4)
+
+
+def test_kernel_cache_follows_parameter_updates():
+    m = create_mixer("ssog", 16, 2).eval()
+    x = torch.randn(1, 1 + 20, 16)
+    with torch.no_grad():
+        y0 = m(x, grid=(4, 5))
+        m.mu.add_(1.0)
+        y1 = m(x, grid=(4, 5))
+    with torch.enable_grad():
+        y_fresh = m(x, grid=(4, 5))
+    assert not torch.allclose(y0, y1)
+    torch.testing.assert_close(y1, y_fresh.detach())
+
+
+@pytest.mark.parametrize("name", ["mha", "mha-unfused", "ssog", "ssog-steered"])
+def test_mixers_survive_deepcopy_and_return_attention_on_request(name):
+    m = create_mixer(name, 16, 4).eval()
+    x = torch.randn(2, 1 + 12, 16)
+    with torch.no_grad():
+        y = m(x, grid=(3, 4))
+        y2, a = m(x, grid=(3, 4), return_attn=True)
+        y3 = copy.deepcopy(m)(x, grid=(3, 4))
+    torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, y3)
+    assert a.shape == (2, 4, 13, 13)
+    torch.testing.assert_close(a.sum(-1), torch.ones(2, 4, 13), atol=1e-5, rtol=0)
+
+
+def test_mha_fused_and_explicit_paths_agree():
+    fused = create_mixer("mha", 32, 4).double()
+    explicit = create_mixer("mha-unfused", 32, 4).double()
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 17, 32, **F64)
+    torch.testing.assert_close(fused(x, grid=(4, 4)), explicit(x, grid=(4, 4)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dim,heads,atoms", [(384, 6, 4), (768, 12, 4), (64, 4, 2)])
+def test_mha_minus_fixed_ssog_is_the_query_and_key_projections_minus_the_field(dim, heads, atoms):
+    def count(m):
+        return sum(p.numel() for p in m.parameters())
+
+    mha = create_mixer("mha", dim, heads)
+    ssog = create_mixer("ssog", dim, heads, num_atoms=atoms)
+    qk = 2 * dim * dim + 2 * dim  # weights and biases of Q and K
+    field = 5 * heads * atoms + 1  # mu, rho (H x R x 2 each), ell (H x R), theta
+    assert count(mha) - count(ssog) == qk - field
+
+
+def test_steering_paths_have_parameters_only_when_switched_on():
+    m = create_mixer("ssog-steered", 16, 2, steer=("sigma",))
+    names = {n for n, _ in m.named_parameters()}
+    assert {"sigma_steer.weight", "sigma_steer.bias", "alpha_sigma"} <= names
+    assert not any(n.startswith(("mu_steer", "lambda_steer", "alpha_mu", "alpha_lambda")) for n in names)
+    assert m.sigma_steer.out_features == 2 * 2 * 4  # (head, atom, axis)
+
+
+def test_gate_init_per_path():
+    m = create_mixer("ssog-steered", 16, 2, gate_init={"mu": -2.0, "sigma": -8.0, "lambda": -8.0})
+    assert float(m.alpha_mu) == -2.0 and float(m.alpha_sigma) == -8.0
+
+
+# -- bad input -------------------------------------------------------------------------------------------------------
+
+
+def test_wrong_token_count_names_the_numbers():
+    m = create_mixer("ssog", 16, 2)
+    with pytest.raises(ValueError, match=r"token count 10 .*Gh=4, Gw=4 \(Gh\*Gw=16\)"):
+        m(torch.randn(1, 10, 16), grid=(4, 4))
+    with pytest.raises(ValueError, match="grid"):
+        m(torch.randn(1, 10, 16))
+
+
+def test_dim_not_divisible_by_heads():
+    with pytest.raises(ValueError, match=r"dim \(10\) must be divisible by num_heads \(3\)"):
+        create_mixer("ssog", 10, 3)
+    with pytest.raises(ValueError, match=r"dim \(10\) must be divisible by num_heads \(3\)"):
+        create_mixer("mha", 10, 3)
+
+
+def test_unknown_steering_path_and_options():
+    with pytest.raises(ValueError, match=r"unknown steering path\(s\) \['tau'\]"):
+        create_mixer("ssog-steered", 16, 2, steer=("mu", "tau"))
+    with pytest.raises(ValueError, match="unknown mixer 'flash'.*'ssog'"):
+        create_mixer("flash", 16, 2)
+    with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_atoms'\].*valid options"):
+        create_mixer("mha", 16, 2, num_atoms=4)
+    with pytest.raises(ValueError, match="unknown impl"):
+        create_mixer("ssog", 16, 2, impl="fft")
+
+
+@pytest.mark.parametrize("field,value", [("sigma_min", 0.0), ("sigma_min", -1.0), ("tau_min", 0.0)])
+def test_non_positive_bounds(field, value):
+    with pytest.raises(ValueError, match=rf"{field} must be > 0, got {value}"):
+        create_mixer("ssog", 16, 2, **{field: value})
+
+
+@pytest.mark.parametrize("shape", [(17, 16), (1, 2, 17, 16)])
+def test_input_must_be_three_dimensional(shape):
+    for name in ("ssog", "mha"):
+        with pytest.raises(ValueError, match=rf"got a {len(shape)}-D tensor"):
+            create_mixer(name, 16, 2)(torch.randn(*shape), grid=(4, 4))
+
+
+# -- autocast and compile --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ssog", "ssog-steered", "mha"])
+def test_runs_under_bfloat16_autocast_on_cpu(name):
+    m = create_mixer(name, 32, 4)
+    x = torch.randn(2, 1 + 36, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x, grid=(6, 6))
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), m(x, grid=(6, 6)), atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("name", ["ssog", "ssog-steered"])
+def test_torch_compile_matches_eager(name):
+    m = create_mixer(name, 32, 4, **({"gate_init": -1.0} if name == "ssog-steered" else {}))
+    x = torch.randn(2, 1 + 20, 32)
+    compiled = torch.compile(m)
+    torch.testing.assert_close(compiled(x, grid=(4, 5)), m(x, grid=(4, 5)), atol=1e-5, rtol=1e-5)
