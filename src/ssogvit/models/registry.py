@@ -1,0 +1,127 @@
+"""``create_model`` / ``list_models``: every family x size x mixer by name, also registered with timm.
+
+Names are ``"{family}-{size}-{mixer}"``, e.g. ``"vit-small-ssog"``, ``"looped-base-mha"``, ``"ode-base-ssog-steered"``.
+In timm the same models are ``"ssogvit_{family}_{size}_{mixer}"`` with ``-`` written ``_``
+(``timm.create_model("ssogvit_vit_small_ssog", num_classes=100)``) once ``ssogvit.models`` is imported.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import sys
+from typing import Any
+
+from timm.models import register_model
+from torch import nn
+
+from ssogvit.layers import list_mixers, mixer_options
+
+from ._common import SIZES, VisionTransformerBase
+from .looped import LoopedViT
+from .ode import ODEViT
+from .vit import VisionTransformer
+
+__all__ = ["FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "timm_name"]
+
+#: family name -> model class
+FAMILIES: dict[str, type[VisionTransformerBase]] = {"vit": VisionTransformer, "looped": LoopedViT, "ode": ODEViT}
+
+_SET_BY_NAME = ("mixer", "mixer_options", "name")
+
+
+def parse_model_name(name: str) -> tuple[str, str, str]:
+    """``"{family}-{size}-{mixer}"`` -> ``(family, size, mixer)``; a ``ValueError`` names what is wrong."""
+    parts = name.split("-", 2) if isinstance(name, str) else []
+    if len(parts) != 3:
+        raise ValueError(f"model name {name!r} is not '{{family}}-{{size}}-{{mixer}}'; see list_models()")
+    family, size, mixer = parts
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} in {name!r}; expected one of {list(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} in {name!r}; expected one of {list(SIZES)}")
+    if mixer not in list_mixers():
+        raise ValueError(f"unknown mixer {mixer!r} in {name!r}; expected one of {list_mixers()}")
+    return family, size, mixer
+
+
+def model_options(family: str) -> list[str]:
+    """Keyword options of a family's constructor that ``create_model`` accepts (mixer options come on top)."""
+    params = inspect.signature(FAMILIES[family].__init__).parameters
+    return [p for p in params if p != "self" and p not in _SET_BY_NAME]
+
+
+def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
+    """Build a model by name.
+
+    Args:
+        name: ``"{family}-{size}-{mixer}"``; family ``vit`` / ``looped`` / ``ode``, size ``tiny`` (192/3), ``small``
+            (384/6), ``medium`` (576/9), ``base`` (768/12), ``large`` (1024/16, depth 24), mixer from
+            ``ssogvit.layers.list_mixers()``.
+        **kwargs: model options (``num_classes``, ``img_size``, ``patch_size``, ``depth`` -- blocks, loop steps or
+            ODE steps --, ``num_registers``, ``drop_path_rate``, ``in_chans``, ``mlp_ratio``, ``embed_dim`` and
+            ``num_heads`` to override the size, and for ``ode``: ``solver``, ``scale``, ``norm``, ``rtol``, ``atol``,
+            ``adjoint``); every other keyword is a mixer option (``num_atoms``, ``steer``, ``radius``, ...).
+
+    Returns:
+        The model; ``create_model(**model.config)`` rebuilds it.
+
+    Raises:
+        ValueError: unknown name, or an option neither the family nor the mixer takes.
+    """
+    family, size, mixer = parse_model_name(name)
+    embed_dim, num_heads, depth = SIZES[size]
+    own = model_options(family)
+    valid_mixer = mixer_options(mixer)
+    model_kwargs: dict[str, Any] = {"embed_dim": embed_dim, "num_heads": num_heads, "depth": depth}
+    mixer_kwargs: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in own:
+            model_kwargs[key] = value
+        elif key in valid_mixer:
+            mixer_kwargs[key] = value
+        else:
+            owners = [f for f in FAMILIES if key in model_options(f)]
+            where = f"it is an option of the {'/'.join(owners)} family" if owners else "it is not a known option"
+            raise ValueError(
+                f"{name}: unknown option {key!r} ({where}). Options of the {family} family: {own}; "
+                f"options of mixer {mixer!r}: {valid_mixer}"
+            )
+    return FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Model names matching a shell-style ``pattern`` (e.g. ``"vit-*-ssog*"``), in family, size, mixer order."""
+    names = [f"{f}-{s}-{m}" for f in FAMILIES for s in SIZES for m in list_mixers()]
+    return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+
+
+def timm_name(name: str) -> str:
+    """timm registry name of a model: ``"vit-small-ssog"`` -> ``"ssogvit_vit_small_ssog"``."""
+    parse_model_name(name)
+    return "ssogvit_" + name.replace("-", "_")
+
+
+def _timm_entrypoint(name: str):
+    def entrypoint(
+        pretrained: bool = False, pretrained_cfg: Any = None, pretrained_cfg_overlay: Any = None,
+        cache_dir: Any = None, **kwargs: Any,
+    ) -> nn.Module:
+        if pretrained:
+            raise ValueError(f"{name}: ssogvit has no pretrained weights to download; load a checkpoint instead")
+        return create_model(name, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = timm_name(name)
+    entrypoint.__doc__ = f"``{name}`` from ssogvit (``ssogvit.create_model({name!r}, **kwargs)``)."
+    return entrypoint
+
+
+def _register_with_timm() -> None:
+    module = sys.modules[__name__]
+    for name in list_models():
+        fn = _timm_entrypoint(name)
+        setattr(module, fn.__name__, fn)  # timm lists the entry point in this module's __all__
+        register_model(fn)
+
+
+_register_with_timm()

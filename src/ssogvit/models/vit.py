@@ -1,0 +1,75 @@
+"""Discrete ViT (SPEC section 6): ``L`` pre-norm blocks with independent weights.
+
+With the ``"mha"`` mixer this is timm's ViT (``vit_small_patch16_224``, ``vit_base_patch16_224``, ...): same modules,
+same parameter names and counts, so a timm state dict loads unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from ._common import VisionTransformerBase
+
+__all__ = ["VisionTransformer"]
+
+
+class VisionTransformer(VisionTransformerBase):
+    """Discrete ViT: ``z <- z + Mixer(LN(z)); z <- z + MLP(LN(z))`` for each of ``depth`` blocks.
+
+    Args:
+        embed_dim: token width ``D``.
+        num_heads: heads ``H``.
+        depth: number of blocks ``L``.
+        mixer: mixer name from the mixer registry.
+        mixer_options: keyword options passed to ``create_mixer`` for every block.
+        img_size: training image size (int or ``(H, W)``); other sizes run with a resized position embedding.
+        patch_size: square patch side.
+        in_chans: image channels.
+        num_classes: classes of the linear head (0: no head).
+        num_registers: register tokens after the class token.
+        drop_path_rate: stochastic depth, rising linearly from 0 to this rate over the blocks (timm).
+        mlp_ratio: MLP hidden width over ``D``.
+        name: registry name recorded in ``config``.
+    """
+
+    family = "vit"
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int = 768,
+        num_heads: int = 12,
+        depth: int = 12,
+        mixer: str = "mha",
+        mixer_options: dict[str, Any] | None = None,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        num_registers: int = 0,
+        drop_path_rate: float = 0.0,
+        mlp_ratio: float = 4.0,
+        name: str | None = None,
+    ) -> None:
+        config = dict(
+            embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
+            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, drop_path_rate=drop_path_rate,
+            mlp_ratio=mlp_ratio, **(mixer_options or {}),
+        )
+        super().__init__(
+            embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+            num_registers=num_registers, name=name, config=config,
+        )
+        rates = [drop_path_rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]  # timm's linspace
+        self.blocks = nn.ModuleList(self._make_block(mlp_ratio=mlp_ratio, drop_path=rate) for rate in rates)
+        self._init_weights()
+
+    def _forward_tokens(self, z: Tensor, grid: tuple[int, int], attns: list[Tensor] | None) -> Tensor:
+        for block in self.blocks:
+            z, attn = block(z, grid, return_attn=attns is not None)
+            if attns is not None:
+                attns.append(attn)
+        return z
