@@ -5,6 +5,7 @@ The operator (``ssogvit.ops``), its dense reference (``ssogvit.reference``), the
 """
 
 from ssogvit.layers import SSOG_IMPLS, STEER_PATHS, Attention, SSoGAttention, create_mixer, list_mixers
+from ssogvit.models import create_model, list_models  # also registers the models with timm
 from ssogvit.timm_compat import ssogify
 
 __version__ = "0.1.0"
@@ -15,16 +16,10 @@ __all__ = [
     "SSOG_IMPLS",
     "STEER_PATHS",
     "create_mixer",
+    "create_model",
     "list_mixers",
+    "list_models",
     "ssogify",
     "__version__",
 ]
 
-
-def __getattr__(name: str):
-    # models import timm layers and torchdiffeq; loaded on first use
-    if name in ("create_model", "list_models"):
-        from ssogvit import models
-
-        return getattr(models, name)
-    raise AttributeError(f"module 'ssogvit' has no attribute {name!r}")

@@ -124,32 +124,38 @@ def prefix_pool(values: Tensor, num_prefix: int) -> Tensor:
 def ssog_mix(
     values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *, impl: str = "auto"
 ) -> Tensor:
-    """Separable fixed-SSoG mixing of patch values.
+    """Separable fixed-SSoG mixing of all tokens: prefix tokens get the mean patch value, patches
 
     ``Y_h[iy, ix] = sum_r lam[h, r] sum_{jy, jx} ky[h, r, iy, jy] kx[h, r, ix, jx] V_h[jy, jx]``.
 
     Args:
-        values: patch values ``(B, N, D)`` in raster order (``N = Gh * Gw``); may be a strided view.
+        values: values of all tokens ``(B, P + N, D)``, prefix first, patches in raster order (``N = Gh * Gw``).
         grid: ``(Gh, Gw)``.
         ky: y-axis kernels ``(H, R, Gh, Gh)``.
         kx: x-axis kernels ``(H, R, Gw, Gw)``.
         lam: mixture weights ``(H, R)``.
-        impl: ``"stacked"`` (atoms stacked inside one matmul per pass and head), ``"loop"`` (atom loop over
-            head-major blocks, fewer large temporaries), ``"einsum"`` (plain, for reference and benchmarks)
-            or ``"auto"``.
+        impl: ``"stacked"`` (atoms stacked inside one matmul per pass and head, lambda folded into the y-kernels,
+            a custom autograd function that saves only the values and recomputes the rest: the default),
+            ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline) or
+            ``"auto"``.
 
     Returns:
-        Mixed values ``(B, N, D)``.
+        Mixed values ``(B, P + N, D)``.
     """
-    if impl == "auto":
-        impl = "stacked"
-    if impl == "stacked":
-        return _mix_stacked(values, grid, ky, kx, lam)
+    gh, gw = grid
+    p = values.shape[1] - gh * gw
+    if impl in ("auto", "stacked"):
+        h, r = lam.shape
+        ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
+        kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
+        return _StackedMix.apply(values, ky_fold, kx_stack, gh, gw)
     if impl == "loop":
-        return _mix_loop(values, grid, ky, kx, lam)
-    if impl == "einsum":
-        return _mix_einsum(values, grid, ky, kx, lam)
-    raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+        mixed = _mix_loop(values[:, p:], grid, ky, kx, lam)
+    elif impl == "einsum":
+        mixed = _mix_einsum(values[:, p:], grid, ky, kx, lam)
+    else:
+        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+    return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
 
 
 def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
@@ -162,28 +168,9 @@ def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, l
     return y.reshape(b, n, d)
 
 
-def _mix_stacked(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
-    # Per head: the x-pass stacks all atoms into one (R*Gw, Gw) kernel applied to each grid row, reading V in the
-    # tokens' own layout; the y-pass contracts (source row, atom) together with lambda folded into the y-kernels,
-    # so the sum over atoms happens inside the matmul. Temporaries: R/H of the activation per head.
-    b, n, d = values.shape
-    gh, gw = grid
-    h, r = lam.shape
-    dh = d // h
-    v = values.reshape(b * gh, gw, h, dh)
-    kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
-    ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
-    out = values.new_empty(b, gh, gw, h, dh)
-    for hi in range(h):
-        u = torch.matmul(kx_stack[hi], v[:, :, hi])  # (B*Gh, R*Gw, dh): layout (b, jy, r, ix, d)
-        y = torch.matmul(ky_fold[hi], u.view(b, gh * r, gw * dh))  # (B, Gh, Gw*dh)
-        out[:, :, :, hi] = y.view(b, gh, gw, dh)
-    return out.view(b, n, d)
-
-
 def _mix_loop(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
     # Head-major, one atom at a time, accumulating into one buffer per head: x-pass as a right-multiplication
-    # (B*Gh*dh, Gw) @ (Gw, Gw), y-pass as (Gh, Gh) @ (Gh, dh*Gw). One activation-sized temporary per head.
+    # (B*Gh*dh, Gw) @ (Gw, Gw), y-pass as (Gh, Gh) @ (Gh, dh*Gw).
     b, n, d = values.shape
     gh, gw = grid
     h, r = lam.shape
@@ -203,6 +190,68 @@ def _mix_loop(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam
                 acc = acc.baddbmm(ky_l[hi, ri].expand(b, gh, gh), u)
         out[:, :, :, hi] = acc.view(b, gh, dh, gw).transpose(-1, -2)
     return out.view(b, n, d)
+
+
+class _StackedMix(torch.autograd.Function):
+    """Per head: the x-pass applies all atoms at once, ``(R*Gw, Gw)`` to each grid row, reading V in the tokens' own
+    layout; the y-pass contracts (source row, atom) together, ``(Gh, Gh*R)`` with lambda folded in, so the sum over
+    atoms happens inside the matmul. Temporaries are one head's worth (``R/H`` of the activation). The output is
+    written in place into one ``(B, P + N, D)`` buffer, prefix rows included. Backward saves only the values and the
+    kernels and recomputes the x-pass, so training keeps no per-atom intermediates.
+    """
+
+    @staticmethod
+    def forward(ctx, values: Tensor, ky_fold: Tensor, kx_stack: Tensor, gh: int, gw: int) -> Tensor:
+        b, t, d = values.shape
+        h = ky_fold.shape[0]
+        r = kx_stack.shape[1] // gw
+        dh = d // h
+        p = t - gh * gw
+        patches = values[:, p:]
+        vp = patches.view(b, gh, gw, h, dh)
+        out = values.new_empty(b, t, d)
+        if p:
+            out[:, :p] = patches.mean(dim=1, keepdim=True)
+        op = out[:, p:].view(b, gh, gw, h, dh)
+        for hi in range(h):
+            u = torch.matmul(kx_stack[hi], vp[:, :, :, hi])  # (B, Gh, R*Gw, dh): layout (b, jy, r, ix, d)
+            y = torch.matmul(ky_fold[hi], u.view(b, gh * r, gw * dh))  # (B, Gh, Gw*dh)
+            op[:, :, :, hi] = y.view(b, gh, gw, dh)
+        ctx.save_for_backward(values, ky_fold, kx_stack)
+        ctx.grid = (gh, gw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        values, ky_fold, kx_stack = ctx.saved_tensors
+        gh, gw = ctx.grid
+        b, t, d = values.shape
+        h = ky_fold.shape[0]
+        r = kx_stack.shape[1] // gw
+        dh = d // h
+        p = t - gh * gw
+        vp = values[:, p:].view(b, gh, gw, h, dh)
+        gp = grad[:, p:].reshape(b, gh, gw, h, dh)
+        need_v, need_ky, need_kx = ctx.needs_input_grad[:3]
+        g_values = values.new_zeros(b, t, d) if need_v else None
+        g_ky = torch.zeros_like(ky_fold) if need_ky else None
+        g_kx = torch.zeros_like(kx_stack) if need_kx else None
+        gvp = g_values[:, p:].view(b, gh, gw, h, dh) if need_v else None
+        for hi in range(h):
+            g_y = gp[:, :, :, hi].reshape(b, gh, gw * dh)  # dL/dY, (B, Gh, Gw*dh)
+            v_h = vp[:, :, :, hi].reshape(b * gh, gw, dh)
+            if need_ky:
+                u = torch.matmul(kx_stack[hi], v_h).view(b, gh * r, gw * dh)  # recomputed x-pass
+                g_ky[hi] = torch.matmul(g_y, u.transpose(1, 2)).sum(0)
+                del u
+            g_u = torch.matmul(ky_fold[hi].t(), g_y).view(b * gh, r * gw, dh)  # dL/dU
+            if need_kx:
+                g_kx[hi] = torch.matmul(g_u.transpose(0, 1).reshape(r * gw, b * gh * dh), v_h.transpose(1, 2).reshape(b * gh * dh, gw))
+            if need_v:
+                gvp[:, :, :, hi] = torch.matmul(kx_stack[hi].t(), g_u).view(b, gh, gw, dh)
+        if need_v and p:
+            gvp += grad[:, :p].sum(dim=1).view(b, 1, 1, h, dh) / (gh * gw)
+        return g_values, g_ky, g_kx, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -225,7 +274,7 @@ def ssog_mix_steered(
     row pass ``Y[iy, ix] = sum_r lam_(iy,ix)[r] sum_k K^x(g_(iy,ix))[r, ix, k] U_r[iy, k]`` (steered by the query).
 
     Args:
-        values: patch values ``(B, N, D)``.
+        values: values of all tokens ``(B, P + N, D)``; prefix tokens get the mean patch value.
         grid: ``(Gh, Gw)``.
         mu: per-token centres ``(B, N, H, R, 2)``, axis order ``(y, x)``.
         sigma: per-token widths ``(B, N, H, R, 2)``.
@@ -235,22 +284,26 @@ def ssog_mix_steered(
             ``B * N * head_chunk * R * (Gh + Gw)`` entries. ``None`` = all heads at once.
 
     Returns:
-        Mixed values ``(B, N, D)``.
+        Mixed values ``(B, P + N, D)``.
     """
-    b, n, d = values.shape
+    b, t, d = values.shape
     gh, gw = grid
+    p = t - gh * gw
     h, r = mu.shape[2], mu.shape[3]
     dh = d // h
     tau = tau.reshape(-1)
     tau = tau.expand(h) if tau.numel() == 1 else tau
     iy = torch.arange(gh, device=values.device, dtype=mu.dtype).view(1, gh, 1, 1, 1)
     ix = torch.arange(gw, device=values.device, dtype=mu.dtype).view(1, 1, gw, 1, 1)
-    v = values.reshape(b, gh, gw, h, dh)
+    v = values[:, p:].view(b, gh, gw, h, dh)
     mu = mu.reshape(b, gh, gw, h, r, 2)
     sigma = sigma.reshape(b, gh, gw, h, r, 2)
     lam = lam.reshape(b, gh, gw, h, r)
     chunk = h if head_chunk is None else max(1, int(head_chunk))
-    out = values.new_empty(b, gh, gw, h, dh)
+    out_all = values.new_empty(b, t, d)
+    if p:
+        out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)
+    out = out_all[:, p:].view(b, gh, gw, h, dh)
     for h0 in range(0, h, chunk):
         hs = slice(h0, min(h, h0 + chunk))
         c = hs.stop - h0
@@ -268,7 +321,7 @@ def ssog_mix_steered(
         u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
         y = torch.bmm(kx_b, u_b).view(b, gh, c, gw, dh)
         out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
-    return out.view(b, n, d)
+    return out_all
 
 
 def default_head_chunk(batch: int, grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:

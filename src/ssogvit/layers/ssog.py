@@ -220,17 +220,14 @@ class SSoGAttention(nn.Module):
         gh, gw, p = ops.check_grid(x.shape[1], grid)
         if p and self.prefix_pool == "none":
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
-        x_patches = x[:, p:]
-        values = self.v(x_patches)  # (B, N, D)
+        values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         if self.steer:
-            mu, sigma, lam = self.geometry(x_patches)
+            mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk(x.shape[0], (gh, gw), self.num_heads, self.num_atoms, self.dim)
             mixed = ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk)
         else:
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
             mixed = ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl=self.impl)
-        if p:
-            mixed = torch.cat([ops.prefix_pool(values, p), mixed], dim=1)
         out = self.proj_drop(self.proj(mixed))
         if return_attn:
             return out, self.attention_matrix(x, (gh, gw))
