@@ -1,0 +1,1 @@
+"""Hydra configuration files of ssogvit (package data): config.yaml, data/, model/, experiment/."""

@@ -1,0 +1,59 @@
+"""Datamodules: `digits` (embedded default), `cifar100`, `imagefolder` (ImageNet-style), `synthetic`.
+
+`create_datamodule(name, **options)` builds one from a data config (the `data:` node of a run config, minus the
+keys that only describe it: `name`, `num_classes` for fixed datasets, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._common import AUG_DEFAULTS, ClassificationDataModule, DataError, build_transform
+from .cifar100 import Cifar100DataModule, find_cifar100, read_cifar100_split
+from .digits import DigitsDataModule, load_digits_split
+from .imagefolder import ImageFolderDataModule
+from .synthetic import SyntheticDataModule, SyntheticDataset
+
+__all__ = [
+    "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "build_transform", "create_datamodule", "list_datasets",
+    "DigitsDataModule", "Cifar100DataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticDataset",
+    "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES",
+]
+
+DATAMODULES: dict[str, type[ClassificationDataModule]] = {
+    "digits": DigitsDataModule,
+    "cifar100": Cifar100DataModule,
+    "imagefolder": ImageFolderDataModule,
+    "synthetic": SyntheticDataModule,
+}
+
+# Keys of a data config that describe the dataset rather than configure its module (checked, not passed).
+_DESCRIPTIVE = {"name", "num_classes", "in_chans"}
+
+
+def list_datasets() -> list[str]:
+    return sorted(DATAMODULES)
+
+
+def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
+    """Build the datamodule `name` with `options` (img_size, batch_size, num_workers, aug, root, ...).
+
+    `num_classes` / `in_chans` are accepted for every dataset: they configure `imagefolder` and `synthetic` and are
+    checked against the fixed values of `digits` and `cifar100`.
+    """
+    if name not in DATAMODULES:
+        raise ValueError(f"unknown dataset {name!r}; valid: {list_datasets()}")
+    cls = DATAMODULES[name]
+    options = {k: v for k, v in options.items() if v is not None}
+    fixed = {k: options.pop(k) for k in list(options) if k in _DESCRIPTIVE}
+    fixed.pop("name", None)
+    if cls in (DigitsDataModule, Cifar100DataModule):
+        for key, value in fixed.items():
+            if int(value) != int(getattr(cls, key)):
+                raise ValueError(f"{name} has {key}={getattr(cls, key)}, the config says {value}")
+    else:
+        options.update(fixed)
+    if isinstance(options.get("aug"), Mapping):
+        options["aug"] = dict(options["aug"])
+    return cls(**options)

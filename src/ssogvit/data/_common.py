@@ -1,0 +1,139 @@
+"""Shared pieces of the datamodules: timm transforms, a Lightning datamodule over two datasets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["DataError", "ClassificationDataModule", "build_transform", "AUG_DEFAULTS"]
+
+
+class DataError(RuntimeError):
+    """A dataset is missing or not in the expected format; the message says how to fix it."""
+
+
+# Options of timm.data.create_transform that a data config may set (under `aug:`), with their defaults here.
+AUG_DEFAULTS: dict[str, Any] = {
+    "scale": None,  # RandomResizedCrop scale range; timm's default (0.08, 1.0)
+    "ratio": None,
+    "hflip": 0.5,
+    "color_jitter": 0.4,
+    "auto_augment": None,  # e.g. "rand-m9-mstd0.5-inc1" (DeiT)
+    "re_prob": 0.0,  # random erasing
+    "re_mode": "pixel",
+    "re_count": 1,
+    "interpolation": "bicubic",
+    "crop_pct": None,
+    "mean": (0.485, 0.456, 0.406),
+    "std": (0.229, 0.224, 0.225),
+}
+
+
+def build_transform(img_size: int, in_chans: int, aug: Mapping[str, Any] | None, *, is_training: bool) -> Callable:
+    """The timm transform (`timm.data.create_transform`) for PIL images, DeiT-style when training.
+
+    Args:
+        img_size: output side in pixels.
+        in_chans: channels of the output tensor (1 for grayscale, 3 for RGB); `mean`/`std` must match.
+        aug: overrides of `AUG_DEFAULTS`; an unknown key is a `ValueError`.
+        is_training: random crop / flip / RandAugment / random erasing when True, resize + centre crop otherwise.
+    """
+    from timm.data import create_transform
+
+    options = dict(AUG_DEFAULTS)
+    unknown = set(aug or {}) - set(AUG_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown aug options {sorted(unknown)}; valid: {sorted(AUG_DEFAULTS)}")
+    options.update({k: v for k, v in (aug or {}).items()})
+    mean, std = tuple(options.pop("mean")), tuple(options.pop("std"))
+    if len(mean) != in_chans or len(std) != in_chans:
+        raise ValueError(f"mean/std have {len(mean)}/{len(std)} entries but in_chans={in_chans}")
+    scale, ratio = options.pop("scale"), options.pop("ratio")
+    crop_pct = options.pop("crop_pct")
+    if not is_training:
+        return create_transform(
+            (in_chans, img_size, img_size), is_training=False, interpolation=options["interpolation"],
+            mean=mean, std=std, crop_pct=crop_pct,
+        )
+    return create_transform(
+        (in_chans, img_size, img_size), is_training=True, mean=mean, std=std,
+        scale=tuple(scale) if scale is not None else None, ratio=tuple(ratio) if ratio is not None else None,
+        **options,
+    )
+
+
+class ClassificationDataModule(pl.LightningDataModule):
+    """A datamodule over a train and a validation dataset that a subclass builds in `build_datasets()`.
+
+    Subclasses set `num_classes`, `in_chans`, `classes` and implement `build_datasets() -> (train, val)`.
+    Under DDP Lightning replaces the samplers with distributed ones.
+    """
+
+    name = "base"
+
+    def __init__(
+        self,
+        *,
+        img_size: int,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        aug: Mapping[str, Any] | None = None,
+        drop_last: bool = True,
+        pin_memory: bool | None = None,
+    ):
+        super().__init__()
+        self.img_size = int(img_size)
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size or batch_size)
+        self.num_workers = int(num_workers)
+        self.aug = dict(aug or {})
+        self.drop_last = drop_last
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    # subclasses ---------------------------------------------------------------------------------------------------
+    in_chans: int = 3
+    num_classes: int = 0
+    classes: list[str] = []
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        raise NotImplementedError
+
+    # Lightning ----------------------------------------------------------------------------------------------------
+    def train_transform(self) -> Callable:
+        return build_transform(self.img_size, self.in_chans, self.aug, is_training=True)
+
+    def eval_transform(self) -> Callable:
+        return build_transform(self.img_size, self.in_chans, self.aug, is_training=False)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self.build_datasets()
+
+    def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            drop_last=train and self.drop_last,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

@@ -1,0 +1,75 @@
+"""ImageNet-style folders: `root/train/<class>/<image>` and `root/val/<class>/<image>`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from ._common import ClassificationDataModule, DataError
+
+__all__ = ["ImageFolderDataModule"]
+
+IMAGEFOLDER_HELP = (
+    "Expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG with the same class folders in both\n"
+    "(for ImageNet-1k: the train archive as distributed, and the validation images sorted into class folders,\n"
+    "e.g. with the valprep.sh script that many ImageNet guides provide). Pass data.root=<root>."
+)
+
+
+class ImageFolderDataModule(ClassificationDataModule):
+    """`torchvision.datasets.ImageFolder` over `train/` and `val/` (class index = sorted folder name)."""
+
+    name = "imagefolder"
+
+    def __init__(self, *, root: str | Path | None = None, in_chans: int = 3, num_classes: int | None = None,
+                 train_dir: str = "train", val_dir: str = "val", **kwargs):
+        super().__init__(**kwargs)
+        self.root, self.train_dir, self.val_dir = root, train_dir, val_dir
+        self.in_chans = int(in_chans)
+        self.expected_classes = num_classes
+        self.classes: list[str] = []
+        if self.root is not None and num_classes is None:
+            self.num_classes = len(self._class_names())
+        else:
+            self.num_classes = int(num_classes or 0)
+
+    def _folder(self, sub: str) -> Path:
+        if self.root is None:
+            raise DataError("data.root is not set for imagefolder.\n" + IMAGEFOLDER_HELP.format(root="<root>"))
+        path = Path(self.root).expanduser() / sub
+        if not path.is_dir():
+            raise DataError(f"{path} does not exist.\n" + IMAGEFOLDER_HELP.format(root=self.root))
+        return path
+
+    def _class_names(self) -> list[str]:
+        names = {}
+        for sub in (self.train_dir, self.val_dir):
+            names[sub] = sorted(p.name for p in self._folder(sub).iterdir() if p.is_dir())
+        if names[self.train_dir] != names[self.val_dir] or not names[self.train_dir]:
+            raise DataError(
+                f"class folders differ or are empty: {len(names[self.train_dir])} in {self.train_dir}/, "
+                f"{len(names[self.val_dir])} in {self.val_dir}/.\n" + IMAGEFOLDER_HELP.format(root=self.root)
+            )
+        return names[self.train_dir]
+
+    def prepare_data(self) -> None:
+        self._class_names()
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        from torchvision.datasets import ImageFolder
+
+        self.classes = self._class_names()
+        if self.expected_classes is not None and len(self.classes) != self.expected_classes:
+            raise DataError(f"{self.root} has {len(self.classes)} classes; the config says {self.expected_classes}")
+        mode = "L" if self.in_chans == 1 else "RGB"
+
+        def loader(path: str):
+            from PIL import Image
+
+            with open(path, "rb") as f:
+                return Image.open(f).convert(mode)
+
+        train = ImageFolder(str(self._folder(self.train_dir)), transform=self.train_transform(), loader=loader)
+        val = ImageFolder(str(self._folder(self.val_dir)), transform=self.eval_transform(), loader=loader)
+        return train, val

@@ -1,0 +1,213 @@
+"""`ssogvit train | eval | transfer | list`: the commands of the training pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate"]
+
+TRAIN_HELP = """usage: ssogvit train [--print-config] [OVERRIDE ...]
+
+Train a model. OVERRIDEs use Hydra syntax against the packaged config (ssogvit/conf):
+  experiment=<name>          a paper experiment (`ssogvit list` shows them)
+  data=digits|cifar100|imagenet|imagefolder|synthetic   model=vit|looped|ode
+  data.root=/path  data.batch_size=64  trainer.max_epochs=10  trainer.devices=8  trainer.strategy=ddp
+  model.size=small  model.mixer=ssog-steered  +model.kwargs.radius=2  loss.jasmin.weight=0.1
+  output_dir=runs/x  resume=auto|null|<path>  seed=42
+Runs write to output_dir (default runs/<name>): config.yaml, checkpoints/, logs/, tb/, export/.
+"""
+
+
+def _print_help_if_asked(argv: list[str], text: str) -> bool:
+    if any(a in ("-h", "--help") for a in argv):
+        print(text)
+        return True
+    return False
+
+
+def train_main(argv: list[str]) -> int:
+    """`ssogvit train [--print-config] overrides...`"""
+    from omegaconf import OmegaConf
+
+    from .config import compose
+    from .io import CheckpointError
+    from .run import train
+
+    if _print_help_if_asked(argv, TRAIN_HELP):
+        return 0
+    print_only = "--print-config" in argv
+    overrides = [a for a in argv if a != "--print-config"]
+    cfg = compose(overrides)
+    if print_only:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return 0
+    from ssogvit.data import DataError
+
+    try:
+        train(cfg)
+    except (CheckpointError, DataError) as err:
+        print(f"ssogvit train: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def transfer_main(argv: list[str]) -> int:
+    """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
+    parser = argparse.ArgumentParser(
+        prog="ssogvit transfer",
+        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra "
+        "overrides as for `ssogvit train` (e.g. data=cifar100 data.root=... trainer.max_epochs=10).",
+    )
+    parser.add_argument("--ckpt", required=True, help="source .ckpt or .safetensors")
+    parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
+    parser.add_argument("--use-ema", action="store_true", help="take the EMA weights of the source checkpoint")
+    args, overrides = parser.parse_known_args(argv)
+    base = [f"transfer.ckpt={args.ckpt}", f"transfer.mode={args.mode}", f"transfer.use_ema={args.use_ema}"]
+    if not any(o.startswith("name=") for o in overrides):
+        base.append(f"name=transfer_{args.mode}_${{data.name}}")
+    if args.mode == "linear" and not any(o.startswith("mixup.") for o in overrides):
+        base += ["mixup.mixup_alpha=0.0", "mixup.cutmix_alpha=0.0"]
+    return train_main(base + overrides)
+
+
+def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: bool = True) -> dict[str, float]:
+    """Top-1/3/5 accuracy (%) and mean cross-entropy of `model` on `dm`'s validation set."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    from .losses import topk_correct
+    from .module import TOPK
+
+    model = model.to(device).eval()
+    totals = {k: 0 for k in TOPK}
+    loss_sum, n = 0.0, 0
+    with torch.inference_mode():
+        for x, y in tqdm(dm.val_dataloader(), desc="eval", disable=not progress, leave=False):
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+            for k, c in topk_correct(logits, y, TOPK).items():
+                totals[k] += int(c)
+            n += len(y)
+    out = {f"top{k}": 100.0 * totals[k] / max(n, 1) for k in TOPK}
+    out.update(loss=loss_sum / max(n, 1), images=n)
+    return out
+
+
+def eval_main(argv: list[str]) -> int:
+    """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
+    parser = argparse.ArgumentParser(
+        prog="ssogvit eval",
+        description="Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another "
+        "image size or patch size. Remaining arguments are Hydra overrides for the data (default: the data config "
+        "saved with the run, e.g. data.root=/elsewhere).",
+    )
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--img-size", type=int, default=None, help="evaluate at this image size (dynamic resolution)")
+    parser.add_argument("--patch-size", type=int, default=None, help="convert the model to this patch size first")
+    parser.add_argument("--rescale-field", action="store_true", help="with --patch-size: rescale mu, sigma by the grid ratio")
+    parser.add_argument("--ema", action="store_true", help="use the EMA weights of a checkpoint")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--json", default=None, help="also write the result to this JSON file")
+    args, overrides = parser.parse_known_args(argv)
+
+    from .io import CheckpointError, load_model
+
+    try:
+        model = load_model(args.ckpt, use_ema=args.ema)
+    except CheckpointError as err:
+        print(f"ssogvit eval: {err}", file=sys.stderr)
+        return 1
+    if args.patch_size:
+        model.set_patch_size(args.patch_size, rescale_field=args.rescale_field)
+    dm = _datamodule_for(args.ckpt, overrides, img_size=args.img_size)
+    result = evaluate(model, dm, device=args.device)
+    patch = getattr(model, "patch_size", None)
+    result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
+                  patch_size=patch[0] if isinstance(patch, (tuple, list)) else patch)
+    print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: "
+          f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%  "
+          f"loss {result['loss']:.4f}  ({result['images']} images)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
+    """The validation data of a checkpoint: its saved data config (run config.yaml or export json) + overrides."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from ssogvit.data import create_datamodule
+
+    from .config import compose
+
+    path = Path(ckpt)
+    data = None
+    for run_cfg in (path.parent.parent / "config.yaml", path.parent / "config.yaml"):
+        if run_cfg.is_file():
+            data = OmegaConf.to_container(OmegaConf.load(run_cfg).data, resolve=True)
+            break
+    if data is None and path.with_suffix(".json").is_file():
+        data = json.loads(path.with_suffix(".json").read_text()).get("data")
+    data_overrides = [o for o in overrides if o.startswith("data")]
+    if data is None or any(o.startswith("data=") for o in overrides):
+        data = OmegaConf.to_container(compose(data_overrides).data, resolve=True)
+    else:
+        node = OmegaConf.create({"data": data})
+        for o in data_overrides:
+            key, value = o.split("=", 1)
+            OmegaConf.update(node, key, _parse_value(value))
+        data = OmegaConf.to_container(node.data, resolve=True)
+    if img_size:
+        data["img_size"] = img_size
+    return create_datamodule(data.pop("name"), **data)
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def list_main(argv: list[str]) -> int:
+    """`ssogvit list [models|mixers|experiments|datasets]`"""
+    parser = argparse.ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
+    parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
+    args = parser.parse_args(argv)
+    from .config import experiment_meta, list_experiments
+
+    if args.what in ("all", "experiments"):
+        print("experiments (ssogvit train experiment=<name>):")
+        for name in list_experiments():
+            meta = experiment_meta(name)
+            paper = meta.get("paper") or ""
+            print(f"  {name:<44} {paper:<16} {meta.get('description') or ''}")
+    if args.what in ("all", "datasets"):
+        from ssogvit.data import list_datasets
+
+        print("datasets (data=<name>): " + ", ".join(list_datasets()) + ", imagenet (imagefolder with the DeiT recipe)")
+    if args.what in ("all", "mixers"):
+        from ssogvit.layers import list_mixers
+
+        print("mixers: " + ", ".join(list_mixers()))
+    if args.what in ("all", "models"):
+        from ssogvit.models import list_models
+
+        names = list_models()
+        print(f"models ({len(names)}, name = family-size-mixer):")
+        for i in range(0, len(names), 4):
+            print("  " + "  ".join(f"{n:<26}" for n in names[i:i + 4]))
+    return 0

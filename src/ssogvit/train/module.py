@@ -1,0 +1,178 @@
+"""The Lightning module: one image classifier trained with the DeiT recipe from timm.
+
+Everything it needs arrives as plain dicts (saved verbatim as the checkpoint's hyper-parameters, so a checkpoint
+loads with `torch.load(weights_only=True)` and rebuilds its model without running code from the file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .losses import jasmin_penalty, topk_correct
+
+__all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
+
+TOPK = (1, 3, 5)
+
+
+def build_model(model_config: Mapping[str, Any]) -> nn.Module:
+    """`create_model(**model_config)`; the dict is what a model's `.config` holds (its name and keyword args)."""
+    from ssogvit.models import create_model
+
+    config = dict(model_config)
+    if isinstance(config.get("steer"), list):
+        config["steer"] = tuple(config["steer"])
+    return create_model(**config)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class ClassificationModule(pl.LightningModule):
+    """Classifier around a `ssogvit` model.
+
+    Args:
+        model_config: the model's `config` dict (name and kwargs of `create_model`).
+        recipe: `optim`, `sched`, `loss`, `mixup`, `ema` sections of the run config, plus `batch_size` (per device).
+        transfer: optional `{"ckpt", "mode", "use_ema"}`: load a source checkpoint's weights (all but the head) and,
+            with `mode="linear"`, train only the head (linear probe).
+    """
+
+    def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_model(model_config)
+        self.hparams["model_config"] = dict(self.model.config)  # the canonical form, as create_model records it
+        self.recipe = recipe
+        self.num_classes = int(self.model.num_classes)
+        self.linear_probe = bool(transfer and transfer.get("ckpt") and transfer.get("mode") == "linear")
+        if transfer and transfer.get("mode") not in (None, "finetune", "linear"):
+            raise ValueError(f"transfer.mode must be 'finetune' or 'linear', got {transfer.get('mode')!r}")
+        if transfer and transfer.get("ckpt"):
+            self._load_source(transfer["ckpt"], use_ema=bool(transfer.get("use_ema")))
+
+        mix = recipe.get("mixup") or {}
+        smoothing = float((recipe.get("loss") or {}).get("smoothing", 0.0))
+        self.mixup_fn = None
+        if mix.get("mixup_alpha", 0) > 0 or mix.get("cutmix_alpha", 0) > 0:
+            from timm.data import Mixup
+
+            self.mixup_fn = Mixup(
+                mixup_alpha=mix["mixup_alpha"], cutmix_alpha=mix["cutmix_alpha"], prob=mix.get("prob", 1.0),
+                switch_prob=mix.get("switch_prob", 0.5), mode=mix.get("mode", "batch"), label_smoothing=smoothing,
+                num_classes=self.num_classes,
+            )
+        self.smoothing = smoothing
+        jasmin = (recipe.get("loss") or {}).get("jasmin") or {}
+        self.jasmin_weight = float(jasmin.get("weight", 0.0))
+        self.jasmin_reduce = str(jasmin.get("reduce", "mean"))
+
+        ema = recipe.get("ema") or {}
+        self.ema = None
+        if ema.get("enabled"):
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(self.model, decay=float(ema.get("decay", 0.9999)))
+
+    # transfer -----------------------------------------------------------------------------------------------------
+    def _load_source(self, path: str, *, use_ema: bool) -> None:
+        from .io import read_state_dict
+
+        state, _ = read_state_dict(path, use_ema=use_ema)
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("head.")]
+        if missing or unexpected:
+            raise RuntimeError(f"source checkpoint {path} does not fit: missing {missing}, unexpected {unexpected}")
+        if self.linear_probe:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name.startswith("head."))
+
+    def on_train_epoch_start(self) -> None:
+        if self.linear_probe:  # frozen backbone: no drop path, features as at evaluation
+            self.model.eval()
+            self.model.head.train()
+
+    # steps --------------------------------------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        y_hard = y
+        if self.mixup_fn is not None:
+            x, y = self.mixup_fn(x, y)  # y: soft targets (B, C) with label smoothing folded in
+        if self.jasmin_weight > 0:
+            tokens, attns = self.model.forward_features(x, return_attn=True)
+            logits = self.model.forward_head(tokens)
+        else:
+            logits = self.model(x)
+        if y.ndim == 2:
+            loss = torch.sum(-y * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()  # SoftTargetCrossEntropy
+        else:
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=self.smoothing)
+        bsz = x.shape[0]
+        if self.jasmin_weight > 0:
+            reg = jasmin_penalty(attns, self.jasmin_reduce)
+            self.log("train/jasmin", reg, on_step=False, on_epoch=True, batch_size=bsz)
+            loss = loss + self.jasmin_weight * reg
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=bsz)
+        with torch.no_grad():  # accuracy against the original labels (under mixup: of the mixed image)
+            for k, n in topk_correct(logits.detach(), y_hard, TOPK).items():
+                self.log(f"train/top{k}", 100.0 * n / bsz, on_step=False, on_epoch=True, batch_size=bsz)
+        return loss
+
+    def _eval_step(self, model: nn.Module, batch: tuple[Tensor, Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = model(x)
+        bsz = x.shape[0]
+        self.log(f"{prefix}/loss", F.cross_entropy(logits.float(), y), batch_size=bsz, sync_dist=True,
+                 prog_bar=prefix == "val")
+        for k, n in topk_correct(logits, y, TOPK).items():
+            self.log(f"{prefix}/top{k}", 100.0 * n / bsz, batch_size=bsz, sync_dist=True, prog_bar=k == 1)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(self.model, batch, "val")
+        if self.ema is not None:
+            self._eval_step(self.ema.module, batch, "val_ema")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._eval_step(self.model, batch, "test")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ema is not None:
+            self.ema.update(self.model, step=self.global_step)
+
+    # optimisation -------------------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        from timm.optim import create_optimizer_v2
+        from timm.scheduler import CosineLRScheduler
+
+        optim, sched = dict(self.recipe["optim"]), dict(self.recipe["sched"])
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
+        world = self.trainer.world_size if self.trainer else 1
+        global_batch = int(self.recipe["batch_size"]) * world * accumulate
+        lr = float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
+        # timm: AdamW; the model's no_weight_decay() set, 1-D params (norms, biases) get no weight decay
+        optimizer = create_optimizer_v2(
+            self.model, opt=optim.get("opt", "adamw"), lr=lr, weight_decay=float(optim["weight_decay"]),
+            betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)), filter_bias_and_bn=True,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        warmup = int(round(float(sched.get("warmup_epochs", 0)) * total / epochs))
+        scheduler = CosineLRScheduler(
+            optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
+            warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        scheduler.step_update(num_updates=self.global_step)

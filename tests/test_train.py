@@ -1,0 +1,253 @@
+"""The training pipeline end to end on tiny models: metrics, checkpoints, export, loading, determinism, resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssogvit.train import CheckpointError, load_model
+from ssogvit.train.config import compose
+from ssogvit.train.io import atomic_checkpoint_io, read_checkpoint, read_model_config
+from ssogvit.train.losses import jasmin_penalty, jasmin_row_norm, topk_correct
+from ssogvit.train.run import resolve_resume, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny(out: Path, *extra: str, mixer: str = "ssog", epochs: int = 2) -> list[str]:
+    """Overrides for a seconds-long run: a 1-block width-32 model on 64 synthetic 16 px images."""
+    return [
+        "data=synthetic", "data.img_size=16", "data.train_size=64", "data.val_size=32", "data.batch_size=16",
+        "data.learnable=true", "model=vit", "model.size=tiny", f"model.mixer={mixer}", "model.kwargs.embed_dim=32",
+        "model.kwargs.num_heads=2", "model.kwargs.depth=1", "model.kwargs.patch_size=4",
+        "model.kwargs.drop_path_rate=0.0", f"trainer.max_epochs={epochs}", "trainer.enable_progress_bar=false",
+        "trainer.accelerator=cpu", "trainer.devices=1", "trainer.log_every_n_steps=1", f"output_dir={out}",
+        "ckpt.every_n_train_steps=2", *extra,
+    ]
+
+
+def read_metrics(run: Path, version: int = 0) -> list[dict[str, str]]:
+    with open(run / "logs" / f"version_{version}" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# losses and metrics ---------------------------------------------------------------------------------------------------
+def _softmax_jacobian_norm(p: torch.Tensor) -> float:
+    return float(torch.linalg.matrix_norm(torch.diag(p) - torch.outer(p, p), ord=2))
+
+
+def test_jasmin_matches_the_softmax_jacobian_norm_where_exact():
+    rows = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]], dtype=torch.float64)
+    est = jasmin_row_norm(rows)
+    assert torch.allclose(est, torch.tensor([0.25, 0.0, 0.5], dtype=torch.float64))
+    for p, e in zip(rows, est):
+        assert math.isclose(float(e), _softmax_jacobian_norm(p), abs_tol=1e-12)
+    # sorted order does not matter, and the estimate is within a factor 2 of the true norm on random rows
+    p = torch.softmax(torch.randn(200, 7, dtype=torch.float64) * 3, dim=-1)
+    assert torch.allclose(jasmin_row_norm(p), jasmin_row_norm(p.flip(-1)))
+    true = torch.tensor([_softmax_jacobian_norm(r) for r in p], dtype=torch.float64)
+    ratio = jasmin_row_norm(p) / true
+    assert float(ratio.min()) > 0.5 and float(ratio.max()) < 2.0
+
+
+def test_jasmin_penalty_reductions_and_gradient():
+    logits = torch.randn(2, 3, 5, 5, requires_grad=True)  # (B, H, T, T)
+    maps = [torch.softmax(logits, -1), torch.softmax(2 * logits, -1)]
+    mean, worst = jasmin_penalty(maps, "mean"), jasmin_penalty(maps, "max")
+    rows = torch.stack([jasmin_row_norm(m) for m in maps], 1)
+    assert torch.allclose(mean, rows.mean())
+    assert torch.allclose(worst, rows.flatten(1).amax(1).mean()) and worst >= mean
+    worst.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="reduce"):
+        jasmin_penalty(maps, "sum")
+
+
+def test_topk_counts():
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]])
+    c = topk_correct(logits, torch.tensor([1, 1, 0]), ks=(1, 2, 5))
+    assert (int(c[1]), int(c[2]), int(c[5])) == (1, 2, 3)  # k above the class count counts everything
+
+
+# a run ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    summary = train(compose(tiny(out, epochs=3)), verbose=False)
+    return out, summary
+
+
+def test_run_logs_train_and_val_metrics(trained):
+    out, summary = trained
+    rows = read_metrics(out)
+    cols = set(rows[0])
+    for split in ("train", "val"):
+        for m in ("top1", "top3", "top5"):
+            assert f"{split}/{m}" in cols
+    assert {"train/loss_epoch", "val/loss"} <= cols
+    val = [r for r in rows if r["val/top1"]]
+    assert len(val) == 3 and all(0 <= float(r["val/top1"]) <= float(r["val/top3"]) <= float(r["val/top5"]) <= 100
+                                  for r in val)
+    assert list((out / "tb" / "version_0").glob("events.out.tfevents.*"))
+    assert summary["epochs"] == 3 and summary["steps"] == 12 and math.isfinite(summary["metrics"]["val/loss"])
+    assert (out / "config.yaml").is_file()
+
+
+def test_checkpoints_and_export_rebuild_the_same_model(trained):
+    out, summary = trained
+    ckpts = out / "checkpoints"
+    assert (ckpts / "last.ckpt").is_file() and (ckpts / "best.ckpt").is_file()
+    assert not list(ckpts.glob("*-v*.ckpt")) and not list(ckpts.glob(".*tmp*"))
+    export = out / "export" / "model.safetensors"
+    meta = json.loads(export.with_suffix(".json").read_text())
+    assert meta["model_config"]["name"] == "vit-tiny-ssog" and meta["model_config"]["embed_dim"] == 32
+    x = torch.randn(3, 3, 16, 16)
+    from_ckpt, from_export = load_model(ckpts / "last.ckpt"), load_model(export)
+    assert not from_ckpt.training
+    torch.testing.assert_close(from_ckpt(x), from_export(x), rtol=0, atol=0)
+    assert read_model_config(ckpts / "last.ckpt") == from_ckpt.config
+    # the checkpoint is plain data: it loads with weights_only=True and holds the config as a dict
+    ckpt = torch.load(ckpts / "last.ckpt", weights_only=True)
+    assert ckpt["hyper_parameters"]["model_config"]["name"] == "vit-tiny-ssog" and ckpt["epoch"] == 2
+
+
+def test_truncated_checkpoint_is_a_clear_error_and_leaves_the_others(trained, tmp_path):
+    out, _ = trained
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        (ckpts / name).write_bytes((out / "checkpoints" / name).read_bytes())
+    data = (ckpts / "last.ckpt").read_bytes()
+    (ckpts / "last.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
+        load_model(ckpts / "last.ckpt")
+    assert "best.ckpt" in str(err.value)
+    cfg = compose(tiny(tmp_path))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        resolve_resume(cfg, ckpts)  # resume=auto refuses the torn last.ckpt instead of failing mid-restore
+    assert (ckpts / "last.ckpt").stat().st_size == len(data) // 2  # left in place for the user
+    assert load_model(ckpts / "best.ckpt") is not None
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_file(tmp_path):
+    io = atomic_checkpoint_io()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, target)
+    before = target.read_bytes()
+    with pytest.raises(Exception):  # torch.save dies half-way: a lambda cannot be pickled
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "bad": lambda: 0}, target)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+    assert torch.equal(torch.load(target, weights_only=True)["state_dict"]["w"], torch.ones(3))
+
+
+def test_checkpoint_loading_never_runs_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    torch.save({"state_dict": {}, "hyper_parameters": {"x": Evil()}}, tmp_path / "evil.ckpt")
+    with pytest.raises(CheckpointError):
+        load_model(tmp_path / "evil.ckpt")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_same_seed_gives_identical_metrics(trained, tmp_path):
+    out, first = trained
+    second = train(compose(tiny(tmp_path / "again", epochs=3)), verbose=False)
+    assert first["metrics"] == second["metrics"]
+    cols = ("epoch", "step", "train/loss_step", "train/loss_epoch", "val/loss", "val/top1", "val/top5")
+    assert [[r[c] for c in cols] for r in read_metrics(out)] == \
+        [[r[c] for c in cols] for r in read_metrics(tmp_path / "again")]
+    a, b = load_model(out / "export" / "model.safetensors"), load_model(tmp_path / "again" / "export" / "model.safetensors")
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(va, vb), k
+
+
+def test_eval_and_transfer_commands(trained, tmp_path, capsys):
+    from ssogvit.train.cli import eval_main, transfer_main
+
+    out, summary = trained
+    res = tmp_path / "eval.json"
+    assert eval_main(["--ckpt", str(out / "checkpoints" / "best.ckpt"), "--json", str(res), "--device", "cpu"]) == 0
+    got = json.loads(res.read_text())
+    assert math.isclose(got["top1"], summary["best"], abs_tol=1e-3) and got["images"] == 32
+    # another image size (dynamic resolution) and another patch size (FlexiViT resize of the patch embedding)
+    assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "--patch-size", "2",
+                      "--json", str(res), "--device", "cpu"]) == 0
+    got = json.loads(res.read_text())
+    assert got["img_size"] == 24 and got["patch_size"] == 2 and 0 <= got["top1"] <= 100
+    # linear probe onto a 4-class dataset: only the new head may change
+    src = load_model(out / "checkpoints" / "best.ckpt")
+    dst = tmp_path / "probe"
+    assert transfer_main(["--ckpt", str(out / "checkpoints" / "best.ckpt"), "--mode", "linear",
+                          *tiny(dst, "data.num_classes=4", "data.seed=7", epochs=1)]) == 0
+    probe = load_model(dst / "export" / "model.safetensors")
+    assert probe.num_classes == 4 and probe.head.out_features == 4
+    for (k, v), v0 in zip(probe.state_dict().items(), src.state_dict().values()):
+        if not k.startswith("head."):
+            assert torch.equal(v, v0), f"{k} changed during a linear probe"
+    assert "transfer_linear_synthetic" in capsys.readouterr().out
+
+
+def test_jasmin_and_ema_options_train(tmp_path):
+    out = tmp_path / "opts"
+    s = train(compose(tiny(out, "loss.jasmin.weight=0.5", "loss.jasmin.reduce=max", "ema.enabled=true",
+                           "ema.decay=0.9", mixer="mha", epochs=1)), verbose=False)
+    assert math.isfinite(s["metrics"]["train/jasmin"]) and 0 < s["metrics"]["train/jasmin"] <= 0.5
+    assert "val_ema/top1" in s["metrics"]
+    ema = load_model(out / "export" / "model_ema.safetensors")
+    raw = load_model(out / "export" / "model.safetensors")
+    assert any(not torch.equal(a, b) for a, b in zip(ema.state_dict().values(), raw.state_dict().values()))
+    torch.testing.assert_close(load_model(out / "checkpoints" / "last.ckpt", use_ema=True).state_dict()["head.weight"],
+                               ema.state_dict()["head.weight"])
+
+
+# resume after a kill ----------------------------------------------------------------------------------------------------
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import lightning.pytorch as pl
+    from ssogvit.train.config import compose
+    from ssogvit.train.run import train
+
+    class KillMidEpoch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 1 and batch_idx == 2:
+                os._exit(3)  # like SIGKILL: no cleanup, no final checkpoint
+
+    mode, result, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    s = train(compose(overrides), callbacks=[KillMidEpoch()] if mode == "kill" else [], verbose=False)
+    json.dump({"epochs": s["epochs"], "steps": s["steps"], "metrics": s["metrics"]}, open(result, "w"))
+    """
+)
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(KILL_SCRIPT)
+    out = tmp_path / "killed"
+    overrides = tiny(out, epochs=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script)]
+    killed = subprocess.run(cmd + ["kill", str(tmp_path / "r1.json"), *overrides], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == 3, killed.stderr[-2000:]
+    ckpt = read_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert ckpt["epoch"] == 1 and ckpt["global_step"] == 6  # the mid-epoch checkpoint (every 2 steps, 4 per epoch)
+    resumed = subprocess.run(cmd + ["resume", str(tmp_path / "r2.json"), *overrides], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = json.loads((tmp_path / "r2.json").read_text())
+    assert result["epochs"] == 3 and result["steps"] == 12
+    assert math.isfinite(result["metrics"]["train/loss_epoch"]) and math.isfinite(result["metrics"]["val/loss"])
+    assert "resuming from" in resumed.stdout or (out / "logs" / "version_1").is_dir()
