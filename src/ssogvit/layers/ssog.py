@@ -191,12 +191,18 @@ class SSoGAttention(nn.Module):
         mu = self.mu.expand(b, n, h, r, 2)
         sigma = self.sigma().expand(b, n, h, r, 2)
         logits = self.ell.expand(b, n, h, r)
-        if "mu" in self.steer:
-            mu = mu + gates["mu"] * self.radius * torch.tanh(self.mu_steer(x_patches)).view(b, n, h, r, 2)
-        if "sigma" in self.steer:
-            sigma = sigma * torch.exp(gates["sigma"] * torch.tanh(self.sigma_steer(x_patches)).view(b, n, h, r, 2))
-        if "lambda" in self.steer:
-            logits = logits + gates["lambda"] * torch.tanh(self.lambda_steer(x_patches)).view(b, n, h, r)
+        # the enabled steering maps run as one matmul over their stacked weights
+        maps = [getattr(self, f"{p}_steer") for p in self.steer]
+        weight = torch.cat([m.weight for m in maps]) if len(maps) > 1 else maps[0].weight
+        bias = torch.cat([m.bias for m in maps]) if len(maps) > 1 else maps[0].bias
+        steer = torch.tanh(F.linear(x_patches, weight, bias)).split([m.out_features for m in maps], dim=-1)
+        steer = dict(zip(self.steer, steer))
+        if "mu" in steer:
+            mu = mu + gates["mu"] * self.radius * steer["mu"].reshape(b, n, h, r, 2)
+        if "sigma" in steer:
+            sigma = sigma * torch.exp(gates["sigma"] * steer["sigma"].reshape(b, n, h, r, 2))
+        if "lambda" in steer:
+            logits = logits + gates["lambda"] * steer["lambda"].reshape(b, n, h, r)
         return mu, sigma, torch.softmax(logits, dim=-1)
 
     # -- forward ---------------------------------------------------------------------------------------------------
