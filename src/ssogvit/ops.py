@@ -29,7 +29,8 @@ __all__ = [
 ]
 
 #: Implementations of the fixed separable contraction. ``"auto"`` picks one by problem size.
-SSOG_IMPLS = ("auto", "stacked", "loop", "einsum")
+#: ``"triton"``: the fused kernel of ``ssogvit.kernels`` (CUDA; ``"auto"`` picks it on CUDA tensors when Triton imports).
+SSOG_IMPLS = ("auto", "stacked", "loop", "einsum", "triton")
 
 
 def check_grid(num_tokens: int, grid: tuple[int, int]) -> tuple[int, int, int]:
@@ -62,7 +63,10 @@ def field_tau(theta: Tensor, tau_min: float) -> Tensor:
 def _flush_tiny(k: Tensor) -> Tensor:
     # Softmax tails far below the smallest normal number are denormals; a matmul that meets them runs several times
     # slower on x86 CPUs. Their contribution is below rounding, so they are set to exactly zero (PERF-NOTES 1).
-    return k.masked_fill(k < torch.finfo(k.dtype).tiny, 0.0)
+    tiny = torch.finfo(k.dtype).tiny
+    if torch.is_grad_enabled() and k.requires_grad:
+        return k.masked_fill(k < tiny, 0.0)
+    return k.masked_fill_(k < tiny, 0.0)  # inference: no second table-sized allocation
 
 
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
@@ -100,7 +104,11 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
     """
     pos = torch.arange(length, device=mu.device, dtype=mu.dtype)
     offset = (query + mu)[..., None]  # S + (1,)
-    logits = -(pos - offset).square() / (2.0 * sigma.square() * tau)[..., None]
+    neg_inv = (-0.5 / (sigma.square() * tau))[..., None]  # S + (1,)
+    if torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad):
+        logits = (pos - offset).square() * neg_inv
+    else:  # inference: one table-sized buffer, updated in place
+        logits = (pos - offset).square_().mul_(neg_inv)
     return _flush_tiny(torch.softmax(logits, dim=-1))
 
 
@@ -136,14 +144,19 @@ def ssog_mix(
         lam: mixture weights ``(H, R)``.
         impl: ``"stacked"`` (atoms stacked inside one matmul per pass and head, lambda folded into the y-kernels,
             a custom autograd function that saves only the values and recomputes the rest: the default),
-            ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline) or
-            ``"auto"``.
+            ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
+            ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
+            CUDA tensors when Triton imports and the kernel's tiles fit the device).
 
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
     gh, gw = grid
     p = values.shape[1] - gh * gw
+    if impl == "triton" or (impl == "auto" and values.is_cuda and _triton_ready(values, grid, lam.shape[1])):
+        from ssogvit.kernels import ssog_mix_triton  # imports Triton on first use only
+
+        return ssog_mix_triton(values, grid, ky, kx, lam)
     if impl in ("auto", "stacked"):
         h, r = lam.shape
         ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
@@ -156,6 +169,12 @@ def ssog_mix(
     else:
         raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
     return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
+
+
+def _triton_ready(values: Tensor, grid: tuple[int, int], atoms: int) -> bool:
+    from ssogvit.kernels import triton_usable
+
+    return triton_usable(values, grid, atoms)  # Triton imports, and the kernel's tiles fit the device
 
 
 def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:

@@ -55,7 +55,8 @@ class SSoGAttention(nn.Module):
         bias: bias of the value and output projections.
         prefix_pool: ``"mean"`` (prefix tokens get the mean patch value) or ``"none"`` (no prefix tokens allowed).
         proj_drop: dropout after the output projection.
-        impl: fixed-field contraction, one of ``SSOG_IMPLS``.
+        impl: fixed-field contraction, one of ``SSOG_IMPLS`` (``"auto"``: the fused Triton kernel on CUDA when Triton
+            imports; ``"triton"`` fails at call time on a CPU tensor, or without Triton, and says why).
         head_chunk: heads per chunk of steered kernel tables (``None``: chosen from the problem size).
         cache_kernels: reuse the fixed-field kernel tables between calls while neither the parameters nor the grid
             change and no gradient is needed (inference).

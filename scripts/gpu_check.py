@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""GPU check of the fused Triton fixed-SSoG kernel: exactness, then timing against SDPA (FlashAttention).
+
+Run on a CUDA machine from the repository root (``PYTHONPATH=src python scripts/gpu_check.py``; about two minutes,
+most of it Triton compilation). It does not run anywhere else: without CUDA it exits with status 2.
+
+1. Exactness on CUDA: impl="triton" against impl="stacked" (the torch path, same dtype) and against a float64
+   reference, forward and gradients (values, ky, kx, lam), fp32 (TF32 off), fp16 and bf16, several grids and prefix
+   counts; and that impl="auto" on a CUDA tensor takes the Triton path.
+2. Timing, fp16, ViT-B width (D=768, H=12, R=4, patch 16, one class token), batch 8, at 224, 512 and 1024 px:
+   the token-mixing core alone (fixed SSoG: Triton and stacked; attention: SDPA restricted to FlashAttention), and
+   the whole mixer (projections included: SSoGAttention against the fused MHA ``Attention``), forward and
+   forward+backward. Median of ``--iters`` timed iterations after ``--warmup`` (CUDA events, synchronised), and the
+   peak memory above the inputs. Prints one table; ``--json PATH`` also writes the rows.
+3. A sweep of the kernel's launch configuration (channels per program, warps) at the smallest and largest
+   resolution (``--no-sweep`` skips it): the defaults were chosen without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+
+
+def problem(grid, prefix, *, b, h, r, dh, device, seed):
+    from ssogvit import ops
+
+    g = torch.Generator().manual_seed(seed)
+    gh, gw = grid
+    f64 = dict(dtype=torch.float64)
+    mu = torch.randn(h, r, 2, generator=g, **f64) * 1.5
+    sig = 0.4 + torch.rand(h, r, 2, generator=g, **f64) * 1.5
+    tau = torch.tensor(0.8, **f64)
+    ky = ops.axis_kernels(gh, mu[..., 0], sig[..., 0], tau)
+    kx = ops.axis_kernels(gw, mu[..., 1], sig[..., 1], tau)
+    lam = torch.softmax(torch.randn(h, r, generator=g, **f64), -1)
+    v = torch.randn(b, prefix + gh * gw, h * dh, generator=g, **f64)
+    w = torch.randn(b, prefix + gh * gw, h * dh, generator=g, **f64)
+    return [t.to(device) for t in (v, ky, kx, lam, w)]
+
+
+def run(impl, dtype, v, ky, kx, lam, w, grid):
+    from ssogvit import ops
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (v, ky, kx, lam)]
+    y = ops.ssog_mix(leaves[0], grid, *leaves[1:], impl=impl)
+    grads = torch.autograd.grad((y * w.to(dtype)).sum(), leaves)
+    return [y.detach()] + list(grads)
+
+
+EXACT_CASES = [((1, 7), 0, 12, 3, 8), ((5, 7), 2, 12, 3, 8), ((6, 6), 1, 12, 3, 8), ((14, 14), 1, 64, 12, 4),
+               ((9, 20), 0, 32, 4, 4), ((32, 32), 1, 64, 12, 4), ((70, 33), 1, 16, 2, 4)]  # (grid, P, dh, H, R)
+
+
+def check_exactness(device, cases=EXACT_CASES, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> bool:
+    from ssogvit import ops
+    from ssogvit.kernels import triton_ssog
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    names = ["out", "d_values", "d_ky", "d_kx", "d_lam"]
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+    ok = True
+    print("== exactness: impl='triton' against float64 einsum and against impl='stacked' (same dtype) ==")
+    print(f"{'grid':>7} {'P':>2} {'dh':>3} {'H':>3} {'R':>2} {'dtype':>9}  " + "  ".join(f"{n:>9}" for n in names)
+          + "   (max |err| / max |ref|; vs f64 / vs stacked)")
+    for i, (grid, p, dh, h, r) in enumerate(cases):
+        prob = problem(grid, p, b=2, h=h, r=r, dh=dh, device=device, seed=i)
+        ref = run("einsum", torch.float64, *prob, grid)
+        for dt in dtypes:
+            tri = run("triton", dt, *prob, grid)
+            st = run("stacked", dt, *prob, grid)
+            e_ref = [rel(a, b) for a, b in zip(tri, ref)]
+            e_st = [rel(a, b) for a, b in zip(tri, st)]
+            st_ref = [rel(a, b) for a, b in zip(st, ref)]
+            # fp32: absolute tolerance; half types: no worse than the torch path's own error (x4) or the tolerance
+            bound = [tol[dt] if dt == torch.float32 else max(tol[dt], 4 * s) for s in st_ref]
+            bad = [n for n, e, lim in zip(names, e_ref, bound) if not e < lim]
+            bad += [n for n, t in zip(names, tri) if t.dtype != dt]
+            ok &= not bad
+            cells = "  ".join(f"{a:9.1e}/{b:7.1e}" for a, b in zip(e_ref, e_st))
+            print(f"{grid[0]:>3}x{grid[1]:<3} {p:>2} {dh:>3} {h:>3} {r:>2} {str(dt)[6:]:>9}  {cells}  "
+                  + ("ok" if not bad else f"FAIL {bad}"))
+    # dispatch: "auto" on CUDA takes the Triton path
+    calls = []
+    orig = triton_ssog._TritonMix.apply
+    triton_ssog._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
+    v, ky, kx, lam, _ = problem((4, 5), 1, b=1, h=2, r=2, dh=16, device=device, seed=0)
+    ops.ssog_mix(v.float(), (4, 5), ky.float(), kx.float(), lam.float(), impl="auto")
+    triton_ssog._TritonMix.apply = orig
+    print(f"impl='auto' on CUDA uses triton: {bool(calls)}")
+    ok &= bool(calls)
+    # a grid too wide for the kernel's shared memory (4096 px at patch 16): "auto" must fall back to the torch path
+    wide = triton_ssog.triton_usable(v.half(), (4, 256), 4)
+    print(f"grid width 256, 4 atoms, fp16: triton usable = {wide} (expected False: "
+          f"{triton_ssog._kernels().shared_bytes(256, 4, 64, torch.float16) // 1024} KiB of shared memory)")
+    ok &= not wide
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return ok
+
+
+def cuda_time(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` runs (CUDA events), after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench(device, resolutions, batch, warmup, iters):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ssogvit import ops
+    from ssogvit.layers import Attention, SSoGAttention
+
+    d, h, r, patch = 768, 12, 4, 16
+    dh = d // h
+    dt = torch.float16
+    rows = []
+    for res in resolutions:
+        g = res // patch
+        t = 1 + g * g
+        grid = (g, g)
+        ssog = SSoGAttention(d, h, num_atoms=r, impl="triton").to(device)
+        ssog_st = SSoGAttention(d, h, num_atoms=r, impl="stacked").to(device)
+        ssog_st.load_state_dict(ssog.state_dict())
+        mha = Attention(d, h).to(device)
+        with torch.no_grad():
+            ky, kx, lam = (k.to(dt) for k in ssog._fixed_kernels(grid, dt))
+        x = torch.randn(batch, t, d, device=device, dtype=dt)
+        vals = torch.randn(batch, t, d, device=device, dtype=dt)
+        q, k, v = (torch.randn(batch, h, t, dh, device=device, dtype=dt) for _ in range(3))
+
+        def flash(q=q, k=k, v=v):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        core = {
+            "ssog-triton": lambda: ops.ssog_mix(vals, grid, ky, kx, lam, impl="triton"),
+            "ssog-stacked": lambda: ops.ssog_mix(vals, grid, ky, kx, lam, impl="stacked"),
+            "sdpa-flash": flash,
+        }
+        mixers = {"ssog-triton": ssog, "ssog-stacked": ssog_st, "mha-sdpa": mha}
+        for name, fn in core.items():
+            with torch.inference_mode():
+                ms = cuda_time(fn, warmup, iters)
+                mem = peak_mib(fn)
+            rows.append(dict(res=res, tokens=t, what="core", name=name, pass_="fwd", ms=ms, mib=mem))
+        for name, fn in core.items():  # forward + backward of the core
+            leaves = ([vals.detach().requires_grad_()] if name != "sdpa-flash"
+                      else [q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()])
+
+            def step(name=name, leaves=leaves):
+                if name == "sdpa-flash":
+                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                        y = F.scaled_dot_product_attention(*leaves)
+                else:
+                    y = ops.ssog_mix(leaves[0], grid, ky, kx, lam, impl=name.split("-")[1])
+                y.backward(torch.ones_like(y))
+
+            ms = cuda_time(step, warmup, iters)
+            rows.append(dict(res=res, tokens=t, what="core", name=name, pass_="fwd+bwd", ms=ms, mib=peak_mib(step)))
+        for name, m in mixers.items():  # whole mixer, projections included, fp16 autocast
+            def fwd(m=m):
+                with torch.autocast("cuda", dtype=dt):
+                    return m(x, grid=grid)
+
+            with torch.inference_mode():
+                ms = cuda_time(fwd, warmup, iters)
+                mem = peak_mib(fwd)
+            rows.append(dict(res=res, tokens=t, what="mixer", name=name, pass_="fwd", ms=ms, mib=mem))
+        del ssog, ssog_st, mha, x, vals, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(device, resolutions, batch, warmup, iters):
+    """Forward time of the Triton core in fp16 for each launch configuration (channels per program, warps)."""
+    from ssogvit import ops
+    from ssogvit.kernels import _triton_kernels as tk
+    from ssogvit.layers import SSoGAttention
+
+    d, h, r, patch = 768, 12, 4, 16
+    dt = torch.float16
+    print(f"\n== launch-configuration sweep, fp16 core forward, batch {batch} (ms) ==")
+    for res in resolutions:
+        g = res // patch
+        grid = (g, g)
+        m = SSoGAttention(d, h, num_atoms=r).to(device)
+        with torch.no_grad():
+            ky, kx, lam = m._fixed_kernels(grid, dt)
+        vals = torch.randn(batch, 1 + g * g, d, device=device, dtype=dt)
+        fn = lambda: ops.ssog_mix(vals, grid, ky, kx, lam, impl="triton")  # noqa: E731
+        with torch.inference_mode():
+            tk.OVERRIDE.clear()
+            default = cuda_time(fn, warmup, iters)
+            cells = [f"default {default:.3f}"]
+            for bd in (16, 32, 64):
+                for warps in (4, 8):
+                    tk.OVERRIDE.update(bd=bd, warps=warps)
+                    try:
+                        cells.append(f"bd{bd}/w{warps} {cuda_time(fn, warmup, iters):.3f}")
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for one configuration
+                        cells.append(f"bd{bd}/w{warps} failed ({type(exc).__name__})")
+            tk.OVERRIDE.clear()
+        print(f"{res:>5}: " + "  ".join(cells))
+
+
+def print_table(rows, batch, warmup, iters):
+    print(f"\n== timing, fp16, D=768 H=12 R=4 patch 16, batch {batch}: median of {iters} after "
+          f"{warmup} warm-up (ms), peak MiB above inputs ==")
+    print(f"{'res':>5} {'tokens':>6} {'what':>5} {'pass':>7} {'name':>13} {'ms':>9} {'MiB':>9} {'vs flash/mha':>12}")
+    for row in rows:
+        base_name = "sdpa-flash" if row["what"] == "core" else "mha-sdpa"
+        base = next(b for b in rows if b["res"] == row["res"] and b["what"] == row["what"]
+                    and b["pass_"] == row["pass_"] and b["name"] == base_name)
+        speed = base["ms"] / row["ms"]
+        print(f"{row['res']:>5} {row['tokens']:>6} {row['what']:>5} {row['pass_']:>7} {row['name']:>13} "
+              f"{row['ms']:9.3f} {row['mib']:9.1f} {speed:11.2f}x")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--resolutions", type=int, nargs="+", default=[224, 512, 1024])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--skip-exactness", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    ap.add_argument("--json", default=None, help="also write the timing rows here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check.py needs a CUDA device; none is available", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.set_grad_enabled(True)
+    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", end="")
+    import triton
+
+    print(f", triton {triton.__version__}")
+    ok = True if args.skip_exactness else check_exactness(device)
+    rows = bench(device, args.resolutions, args.batch, args.warmup, args.iters)
+    print_table(rows, args.batch, args.warmup, args.iters)
+    if not args.no_sweep:
+        sweep(device, sorted({min(args.resolutions), max(args.resolutions)}), args.batch, args.warmup, args.iters)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\nexactness:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

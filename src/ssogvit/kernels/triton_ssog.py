@@ -1,0 +1,187 @@
+"""Fused fixed-SSoG mixing in Triton (forward and backward), behind ``ops.ssog_mix(..., impl="triton")``.
+
+Triton is imported on first use only; ``import ssogvit`` never needs it. The kernel runs on CUDA tensors, or on CPU
+tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before first use; the tests do this).
+
+What is fused: the whole contraction of the patch values (y-pass, x-pass, atom sum, mixture weights) in one kernel,
+and the same kernel on the transposed kernels for the gradient with respect to the values. Not fused: the prefix
+rows (the mean of the patch values, in torch), and the gradients with respect to the axis kernels (batched matmuls
+in torch, one head at a time, as in ``ops._StackedMix``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["ssog_mix_triton", "triton_available", "triton_usable", "triton_import_error"]
+
+_STATE: dict = {}
+
+
+def _kernels():
+    """The lazily imported kernel module, or ``None`` when Triton cannot be imported (reason in ``_STATE``)."""
+    if "mod" not in _STATE:
+        try:
+            from ssogvit.kernels import _triton_kernels as mod
+        except Exception as exc:  # ImportError, or a broken installation failing in its own way
+            _STATE["mod"] = None
+            _STATE["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            _STATE["mod"] = mod
+            _STATE["error"] = None
+    return _STATE["mod"]
+
+
+def triton_available() -> bool:
+    """Whether Triton (and this package's kernel) can be imported."""
+    return _kernels() is not None
+
+
+def triton_import_error() -> str | None:
+    """Why Triton could not be imported (``None`` when it can)."""
+    _kernels()
+    return _STATE["error"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(t: Tensor, grid: tuple[int, int] | None = None, atoms: int | None = None) -> bool:
+    """Whether the Triton path can run on ``t``: a CUDA tensor (or a CPU tensor under the interpreter) and Triton.
+
+    With ``grid`` and ``atoms`` also that the kernel's x-pass tiles fit the device's shared memory (for the widest
+    channel block the kernel uses, so whatever the head width)."""
+    if t.is_cuda:
+        ok = triton_available()
+    else:
+        ok = t.device.type == "cpu" and _interpreting() and triton_available()
+    if ok and grid is not None and atoms is not None:
+        ok = _kernels().fits(int(grid[1]), int(atoms), 64, t.dtype, t.device)
+    return ok
+
+
+def ssog_mix_triton(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+    """Same contract as ``ops.ssog_mix``: ``values (B, P + N, D)``, ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)``,
+    ``lam (H, R)``; returns ``(B, P + N, D)`` with the prefix rows the mean patch value."""
+    gh, gw = (int(g) for g in grid)
+    if not triton_usable(values):
+        if not triton_available():
+            raise RuntimeError(f"impl='triton' needs Triton, which cannot be imported: {triton_import_error()}")
+        raise RuntimeError(
+            f"impl='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); got a {values.device} tensor"
+        )
+    b, t, d = values.shape
+    h, r = lam.shape
+    if d % h:
+        raise ValueError(f"width {d} is not divisible by {h} heads")
+    if t < gh * gw:
+        raise ValueError(f"token count {t} does not fit the grid {gh}x{gw}")
+    if tuple(ky.shape) != (h, r, gh, gh) or tuple(kx.shape) != (h, r, gw, gw):
+        raise ValueError(
+            f"kernel shapes {tuple(ky.shape)}, {tuple(kx.shape)} do not match H={h}, R={r}, grid {gh}x{gw}"
+        )
+    mod = _kernels()
+    if not mod.fits(gw, r, d // h, values.dtype, values.device):
+        raise ValueError(
+            f"impl='triton': grid width {gw} with {r} atoms in {values.dtype} needs about "
+            f"{mod.shared_bytes(gw, r, d // h, values.dtype) // 1024} KiB of shared memory per program, more than "
+            f"this device has; use impl='stacked' (impl='auto' does so by itself)"
+        )
+    return _TritonMix.apply(values, ky, kx, lam, gh, gw)
+
+
+def _launch(src: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, dst: Tensor, grid: tuple[int, int]) -> None:
+    mod = _kernels()
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        mod.launch_mix(src, ky, kx, lam, dst, grid)
+
+
+class _TritonMix(torch.autograd.Function):
+    """Saves only the values and the kernel tables. Backward: the kernel on transposed (strided) kernels gives the
+    values' gradient; the kernels' gradients recompute the x-pass one head at a time in torch."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, gh: int, gw: int) -> Tensor:
+        values = values.contiguous()
+        b, t, d = values.shape
+        p = t - gh * gw
+        out = values.new_empty(b, t, d)
+        patches = values[:, p:]
+        if p:
+            out[:, :p] = patches.mean(dim=1, keepdim=True)
+        _launch(patches, ky, kx.to(values.dtype), lam, out[:, p:], (gh, gw))
+        ctx.save_for_backward(values, ky, kx, lam)
+        ctx.grid = (gh, gw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        values, ky, kx, lam = ctx.saved_tensors
+        gh, gw = ctx.grid
+        b, t, d = values.shape
+        p = t - gh * gw
+        grad = grad.contiguous()
+        gp = grad[:, p:]
+        need_v, need_ky, need_kx, need_lam = ctx.needs_input_grad[:4]
+        g_values = g_ky = g_kx = g_lam = None
+        if need_v:
+            g_values = values.new_empty(b, t, d)
+            if p:
+                g_values[:, :p] = 0
+            kx_t = kx.to(values.dtype).transpose(-1, -2)
+            _launch(gp, ky.transpose(-1, -2), kx_t, lam, g_values[:, p:], (gh, gw))
+            if p:
+                g_values[:, p:] += grad[:, :p].sum(dim=1, keepdim=True) / (gh * gw)
+        if need_ky or need_kx or need_lam:
+            kdt = torch.float64 if values.dtype == torch.float64 else torch.float32
+            ky_k, lam_k = ky.to(kdt), lam.to(kdt)
+            kyl = ky_k * lam_k[:, :, None, None]
+            g_kyl, g_kx = _kernel_grads(values[:, p:], gp, kyl, kx, (gh, gw), need_ky or need_lam, need_kx)
+            if need_ky:
+                g_ky = (g_kyl * lam_k[:, :, None, None]).to(ky.dtype)
+            if need_lam:
+                g_lam = (g_kyl * ky_k).sum(dim=(-1, -2)).to(lam.dtype)
+        return g_values, g_ky, g_kx, g_lam, None, None
+
+
+def _kernel_grads(v: Tensor, g: Tensor, kyl: Tensor, kx: Tensor, grid, need_kyl: bool, need_kx: bool):
+    """Gradients of ``sum(g * mix(v))`` with respect to ``kyl (H, R, Gh, Gh)`` and ``kx (H, R, Gw, Gw)``.
+
+    Per head ``hh``: ``U[b, jy, r, ix, d] = sum_jx kx[r, ix, jx] v[b, jy, jx, d]``;
+    ``dkyl[r, iy, jy] = sum_(b, ix, d) g[b, iy, ix, d] U[b, jy, r, ix, d]``;
+    ``dkx[r, ix, jx] = sum_(b, jy, d) (sum_iy kyl[r, iy, jy] g[b, iy, ix, d]) v[b, jy, jx, d]``.
+    """
+    gh, gw = grid
+    b, n, d = v.shape
+    h, r = kyl.shape[:2]
+    dh = d // h
+    vp = v.reshape(b, gh, gw, h, dh)
+    gp = g.reshape(b, gh, gw, h, dh)
+    kx_c = kx.to(v.dtype)
+    kyl_c = kyl.to(v.dtype)
+    g_kyl = torch.zeros_like(kyl) if need_kyl else None
+    g_kx = torch.zeros(kx.shape, dtype=torch.float32 if kx.dtype in (torch.float16, torch.bfloat16) else kx.dtype,
+                       device=kx.device) if need_kx else None
+    for hh in range(h):
+        v_h = vp[:, :, :, hh].reshape(b * gh, gw, dh)
+        g_h = gp[:, :, :, hh].reshape(b, gh, gw * dh)
+        if need_kyl:
+            u = torch.matmul(kx_c[hh].reshape(r * gw, gw), v_h).view(b, gh * r, gw * dh)  # rows (jy, r)
+            prod = torch.matmul(g_h, u.transpose(1, 2))  # (B, Gh[iy], Gh*R[(jy, r)])
+            g_kyl[hh] = prod.sum(0, dtype=g_kyl.dtype).view(gh, gh, r).permute(2, 0, 1)
+            del u, prod
+        if need_kx:
+            m = kyl_c[hh].permute(2, 0, 1).reshape(gh * r, gh)  # [(jy, r), iy] = kyl[r, iy, jy]
+            g_u = torch.matmul(m, g_h).view(b * gh, r * gw, dh)  # layout (b, jy, r, ix, d)
+            lhs = g_u.permute(1, 0, 2).reshape(r * gw, b * gh * dh)
+            rhs = v_h.transpose(1, 2).reshape(b * gh * dh, gw)
+            g_kx[hh] = torch.matmul(lhs, rhs).view(r, gw, gw).to(g_kx.dtype)
+            del g_u, lhs, rhs
+    if need_kx:
+        g_kx = g_kx.to(kx.dtype)
+    return g_kyl, g_kx
