@@ -1,0 +1,46 @@
+"""Evaluation images for the analyses: the validation split of a dataset, preprocessed as in training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def data_config(dataset: str = "digits", ckpt: str | Path | None = None) -> dict[str, Any]:
+    """The `data:` node a model was trained with: from the run's `config.yaml` beside (or above) `ckpt` when there is
+    one, else the packaged `conf/data/<dataset>.yaml`."""
+    from omegaconf import OmegaConf
+
+    if ckpt is not None:
+        for parent in list(Path(ckpt).resolve().parents)[:3]:
+            cfg_path = parent / "config.yaml"
+            if cfg_path.is_file():
+                cfg = OmegaConf.load(cfg_path)
+                if "data" in cfg:
+                    return OmegaConf.to_container(cfg.data, resolve=True)
+    path = _CONF / "data" / f"{dataset}.yaml"
+    if not path.is_file():
+        raise ValueError(f"no data config for {dataset!r} (looked for {path})")
+    return OmegaConf.to_container(OmegaConf.load(path).data, resolve=True)
+
+
+def validation_set(cfg: dict[str, Any], img_size: int | None = None, limit: int | None = None) -> tuple[Tensor, Tensor]:
+    """Validation images `(n, C, S, S)` and labels `(n,)` at `img_size` (the config's by default), first `limit`."""
+    from ssogvit.data import create_datamodule
+
+    options = dict(cfg)
+    name = options.pop("name")
+    if img_size is not None:
+        options["img_size"] = int(img_size)
+    options["num_workers"] = 0
+    dm = create_datamodule(name, **options)
+    dm.setup("validate")
+    dataset = dm.val_set
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    xs, ys = zip(*(dataset[i] for i in range(n)))
+    return torch.stack(xs), torch.tensor(ys)

@@ -1,0 +1,69 @@
+"""Effective number of atoms: how many Gaussians a head really uses (SPEC section 7)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ._common import is_ssog, mixer_rows
+
+
+def effective_atoms(weights: Tensor) -> Tensor:
+    """`exp(entropy(lambda))` over the last axis, entropy in nats.
+
+    Args:
+        weights: mixture weights on the simplex, shape `(..., R)`.
+
+    Returns:
+        Shape `(...)`: `R` for uniform weights, 1 for a one-hot mixture.
+    """
+    w = weights.double()
+    entropy = -torch.special.xlogy(w, w).sum(-1)  # 0 log 0 = 0
+    return entropy.exp().to(weights.dtype if weights.is_floating_point() else torch.float64)
+
+
+@torch.no_grad()
+def atoms_report(model: nn.Module) -> dict:
+    """Effective atoms per head and per mixer of `model`, and their mean.
+
+    Returns:
+        `{"num_atoms": R, "layers": [{"layer": name, "per_head": [...], "mean": m}, ...], "mean": m}`; only the SSoG
+        mixers appear (an MHA model has no atoms and gives an empty list and a `None` mean).
+    """
+    layers, all_heads, num_atoms = [], [], None
+    for name, mixer in mixer_rows(model):
+        if not is_ssog(mixer):
+            continue
+        lam = mixer.mixture().detach()  # (H, R)
+        num_atoms = lam.shape[-1]
+        eff = effective_atoms(lam).tolist()
+        all_heads += eff
+        layers.append({"layer": name, "per_head": eff, "mean": sum(eff) / len(eff)})
+    mean = sum(all_heads) / len(all_heads) if all_heads else None
+    return {"num_atoms": num_atoms, "layers": layers, "mean": mean}
+
+
+def plot_atoms(reports: dict[str, dict], path) -> object:
+    """Heat map of effective atoms, one panel per model: rows are mixers, columns heads (1 = one atom, R = all)."""
+    from .fields import _pyplot, _save
+
+    reports = {k: r for k, r in reports.items() if r["layers"]}
+    if not reports:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(reports), figsize=(4.2 * len(reports), 0.35 * max(
+        len(r["layers"]) for r in reports.values()) + 1.6), squeeze=False)
+    for ax, (label, rep) in zip(axes[0], reports.items()):
+        grid = [row["per_head"] for row in rep["layers"]]
+        im = ax.imshow(grid, vmin=1, vmax=rep["num_atoms"], cmap="viridis", aspect="auto")
+        for i, row in enumerate(grid):
+            for h, v in enumerate(row):
+                shade = "w" if v < 0.6 * rep["num_atoms"] else "k"
+                ax.text(h, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color=shade)
+        ax.set_yticks(range(len(grid)), [row["layer"] for row in rep["layers"]], fontsize=7)
+        ax.set_xticks(range(len(grid[0])), [f"h{h}" for h in range(len(grid[0]))], fontsize=7)
+        ax.set_title(f"{label}: mean {rep['mean']:.2f} of R={rep['num_atoms']}", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle("effective atoms exp(H(λ)) per head", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)

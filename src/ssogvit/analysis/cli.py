@@ -1,0 +1,290 @@
+"""`ssogvit analyze <what> ...`: every analysis as a command writing a PNG and/or JSON + markdown, with a summary.
+
+    ssogvit analyze fields    --ckpt runs/a/export/model.safetensors --ckpt runs/b/export/model.safetensors
+    ssogvit analyze sinks     --model vit-tiny-ssog --model vit-tiny-mha   # fresh random models
+    ssogvit analyze all       --ckpt ... --out runs/analysis
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _data
+from ._common import fmt, is_ssog, markdown_table, write_json, write_markdown
+from .atoms import atoms_report, plot_atoms
+from .fields import plot_fields, plot_query_fields
+from .lipschitz import lipschitz_report, plot_lipschitz
+from .sinks import plot_sinks, sink_report
+from .steering import plot_steering, steering_stats
+from .transfer import plot_transfer, transfer_table
+
+ANALYSES = ("fields", "atoms", "lipschitz", "sinks", "steering", "transfer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ssogvit analyze",
+        description="Look inside trained (--ckpt) or freshly built (--model) models. Writes <out>/<what>.png, "
+        ".json and .md and prints a summary.",
+    )
+    p.add_argument("what", choices=(*ANALYSES, "all"))
+    p.add_argument("--ckpt", action="append", default=[], help="checkpoint (.ckpt) or export (.safetensors); repeat")
+    p.add_argument("--model", action="append", default=[], help="model name for a fresh random model; repeat")
+    p.add_argument("--model-kw", action="append", default=[], metavar="KEY=VALUE",
+                   help="option for every --model (YAML value), e.g. depth=4; default: the dataset's classes, "
+                   "channels and image size, and patch_size = img_size // 8 below 128 px")
+    p.add_argument("--label", action="append", default=[], help="names for the models, in order (--ckpt first)")
+    p.add_argument("--data", default="digits", help="dataset of the evaluation images when a run has no config")
+    p.add_argument("--num-images", type=int, default=64, help="validation images for sinks and steering")
+    p.add_argument("--transfer-images", type=int, default=None, help="validation images for transfer (all)")
+    p.add_argument("--image-index", type=int, default=0, help="validation image whose query field is drawn")
+    p.add_argument("--query", default=None, help="query cell 'y,x' of the field drawing (grid centre by default)")
+    p.add_argument("--radii", default=None, help="ball radii for steered mixers, in units of sqrt(D): '0.5,1,2,4'")
+    p.add_argument("--iters", type=int, default=30, help="power-iteration steps (at most 15 for steered mixers)")
+    p.add_argument("--samples", type=int, default=2, help="inputs per radius for steered mixers")
+    p.add_argument("--max-steered", type=int, default=3, help="steered mixers measured (first, middle, last)")
+    p.add_argument("--patch-sizes", default=None, help="patch sizes for transfer, e.g. '16,14,8'")
+    p.add_argument("--img-sizes", default=None, help="image sizes for transfer (default: 0.75x and 1.5x)")
+    p.add_argument("--out", default="runs/analysis", help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return None if text is None else [int(v) for v in text.split(",") if v.strip()]
+
+
+def _floats(text: str | None) -> list[float] | None:
+    return None if text is None else [float(v) for v in text.split(",") if v.strip()]
+
+
+def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+    """The models to analyse, by label, and the data config of their evaluation images."""
+    import yaml
+
+    if not args.ckpt and not args.model:
+        raise SystemExit("ssogvit analyze: give at least one --ckpt PATH or --model NAME (e.g. vit-tiny-ssog)")
+    cfg = _data.data_config(args.data, args.ckpt[0] if args.ckpt else None)
+    models: list[tuple[str, nn.Module]] = []
+    if args.ckpt:
+        from ssogvit.train.io import load_model
+
+        for path in args.ckpt:
+            model = load_model(path)
+            parts = Path(path).resolve().parts
+            run = parts[-3] if len(parts) >= 3 and parts[-2] in ("export", "checkpoints") else Path(path).stem
+            models.append((run, model))
+    if args.model:
+        from ssogvit.models import create_model
+
+        img = int(cfg["img_size"])
+        kwargs: dict[str, Any] = {"num_classes": int(cfg["num_classes"]), "in_chans": int(cfg["in_chans"]),
+                                  "img_size": img}
+        if img < 128:
+            kwargs["patch_size"] = max(1, img // 8)
+        for item in args.model_kw:
+            key, _, value = item.partition("=")
+            kwargs[key.strip()] = yaml.safe_load(value)
+        for name in args.model:
+            torch.manual_seed(args.seed)
+            models.append((name, create_model(name, **kwargs).eval()))
+    labels = list(args.label) + [label for label, _ in models][len(args.label):]
+    out: dict[str, nn.Module] = {}
+    for label, (_, model) in zip(labels, models):
+        while label in out:
+            label += "'"
+        out[label] = model
+    return out, cfg
+
+
+# -- one function per analysis ----------------------------------------------------------------------------------------
+
+
+def run_atoms(models, cfg, args, out: Path) -> dict:
+    reports = {label: atoms_report(m) for label, m in models.items()}
+    rows = [(label, row["layer"], ", ".join(f"{v:.2f}" for v in row["per_head"]), row["mean"])
+            for label, rep in reports.items() for row in rep["layers"]]
+    rows += [(label, "**mean**", "", rep["mean"]) for label, rep in reports.items() if rep["layers"]]
+    md = "## Effective atoms exp(entropy(λ))\n\n" + markdown_table(["model", "mixer", "per head", "mean"], rows)
+    files = _write(out, "atoms", reports, md, plot_atoms(reports, out / "atoms.png"))
+    for label, rep in reports.items():
+        msg = f"mean {rep['mean']:.3f} of R={rep['num_atoms']}" if rep["layers"] else "no SSoG mixer"
+        print(f"atoms  {label}: {msg}")
+    return {"reports": reports, "files": files}
+
+
+def run_lipschitz(models, cfg, args, out: Path) -> dict:
+    reports = {}
+    for label, m in models.items():
+        radii = None
+        if args.radii is not None:
+            radii = [f * math.sqrt(m.embed_dim) for f in _floats(args.radii)]
+        reports[label] = lipschitz_report(m, radii=radii, iters=args.iters, seed=args.seed, samples=args.samples,
+                                          max_steered=args.max_steered)
+    fixed = [(label, r["layer"], r["bound"], r["estimate"], r["ratio"])
+             for label, rep in reports.items() for r in rep["fixed"]]
+    steered = [(label, row["layer"], g["radius"], g["local_max"], g["frozen_bound_max"])
+               for label, rep in reports.items() for row in rep["steered"] for g in row["growth"]]
+    md = "## Lipschitz constants\n\n"
+    if fixed:
+        md += "Fixed SSoG: Proposition-1 bound and power-iteration estimate (float64).\n\n"
+        md += markdown_table(["model", "mixer", "bound", "estimate", "estimate / bound"], fixed) + "\n"
+    if steered:
+        md += ("Steered SSoG: largest local constant ||J(x)||₂ found with every token of norm r, and the "
+               "Proposition-1 bound of the geometry frozen at those inputs.\n\n")
+        md += markdown_table(["model", "mixer", "r", "local ||J||", "frozen bound"], steered)
+    files = _write(out, "lipschitz", reports, md, plot_lipschitz(reports, out / "lipschitz.png"))
+    for label, rep in reports.items():
+        if rep["fixed"]:
+            worst = max(r["ratio"] for r in rep["fixed"])
+            print(f"lipschitz  {label}: {len(rep['fixed'])} fixed mixers, bound max "
+                  f"{max(r['bound'] for r in rep['fixed']):.4g}, estimate/bound max {worst:.3f}"
+                  f" ({'ok' if worst <= 1 + 1e-9 else 'ABOVE THE BOUND'})")
+        for row in rep["steered"]:
+            g = row["growth"]
+            print(f"lipschitz  {label} {row['layer']}: local ||J|| {g[0]['local_max']:.4g} at r={g[0]['radius']:.3g}"
+                  f" -> {g[-1]['local_max']:.4g} at r={g[-1]['radius']:.3g}")
+        if not rep["fixed"] and not rep["steered"]:
+            print(f"lipschitz  {label}: no SSoG mixer")
+    return {"reports": reports, "files": files}
+
+
+def run_sinks(models, cfg, args, out: Path) -> dict:
+    images, _ = _data.validation_set(cfg, limit=args.num_images)
+    summaries = {label: sink_report(m, images) for label, m in models.items()}
+    head = ["model", "sink mean", "sink worst (layer)", "rollout", "same-key", "CLS mass", "high-norm", "images"]
+    rows = [(label, s["sink_mean"], f"{fmt(s['sink_worst'])} ({s['sink_worst_layer']})", s["sink_rollout"],
+             s["same_key"], s["cls_mass"], s["high_norm"], s["num_images"]) for label, s in summaries.items()]
+    md = ("## Attention sinks (paper Table 5)\n\nSink score: most-attended key's received attention over the "
+          "uniform share (1 = no sink), head-averaged maps.\n\n" + markdown_table(head, rows))
+    files = _write(out, "sinks", summaries, md, plot_sinks(summaries, out / "sinks.png"))
+    for label, s in summaries.items():
+        print(f"sinks  {label}: mean {s['sink_mean']:.3f}, worst {s['sink_worst']:.3f} (application "
+              f"{s['sink_worst_layer']}), rollout {s['sink_rollout']:.3f}, same-key {s['same_key']:.3f}, "
+              f"CLS mass {s['cls_mass']:.4f}, high-norm {s['high_norm']:.4f} on {s['num_images']} images")
+    return {"summaries": summaries, "files": files}
+
+
+def run_steering(models, cfg, args, out: Path) -> dict:
+    images, _ = _data.validation_set(cfg, limit=args.num_images)
+    stats = {label: steering_stats(m, images) for label, m in models.items()}
+    rows = [(label, r["layer"], r["gates"].get("mu"), r["gates"].get("sigma"), r["gates"].get("lambda"),
+             r["mean_delta_mu"], r["max_delta_mu"], r["effective_radius"], r["mean_log_sigma_ratio"],
+             r["mean_lambda_tv"]) for label, s in stats.items() for r in s["mixers"]]
+    head = ["model", "mixer", "s_mu", "s_sigma", "s_lambda", "mean |Δμ|", "max |Δμ|", "eff. radius s_μ·M",
+            "mean |log σ_t/σ|", "mean TV(λ_t, λ)"]
+    md = "## Steering statistics\n\n" + (markdown_table(head, rows) if rows else "No steered mixer.\n")
+    steered = {label: s for label, s in stats.items() if s["mixers"]}
+    png = None
+    for label, s in steered.items():
+        name = "steering.png" if len(steered) == 1 else f"steering_{_slug(label)}.png"
+        png = plot_steering(s, out / name, title=label) or png
+    files = _write(out, "steering", stats, md, png)
+    for label, s in stats.items():
+        if not s["mixers"]:
+            print(f"steering  {label}: no steered mixer")
+            continue
+        mean = sum(r["mean_delta_mu"] for r in s["mixers"]) / len(s["mixers"])
+        gates = {k: max(r["gates"].get(k, 0.0) for r in s["mixers"]) for k in ("mu", "sigma", "lambda")}
+        print(f"steering  {label}: mean |Δμ| {mean:.4g} cells, largest gates " +
+              ", ".join(f"s_{k} {v:.3g}" for k, v in gates.items()) +
+              f", effective radius up to {max(r['effective_radius'] for r in s['mixers']):.3g} cells")
+    return {"stats": stats, "files": files}
+
+
+def run_transfer(models, cfg, args, out: Path) -> dict:
+    def images_at(size: int):
+        return _data.validation_set(cfg, img_size=size, limit=args.transfer_images)
+
+    tables = {}
+    for label, m in models.items():
+        s0 = int(m.img_size[0])
+        sizes = _ints(args.img_sizes)
+        if sizes is None:
+            sizes = [int(round(0.75 * s0)), int(round(1.5 * s0))]
+        tables[label] = transfer_table(m, images_at, patch_sizes=_ints(args.patch_sizes), img_sizes=sizes)
+    rows = [(label, r["kind"], r["patch"], r["img_size"], f"{r['grid'][0]}x{r['grid'][1]}",
+             "yes" if r["rescale"] else "no", r["top1"]) for label, t in tables.items() for r in t]
+    md = ("## Transfer without retraining (paper Table 13)\n\n"
+          + markdown_table(["model", "change", "patch", "image", "grid", "μ, σ rescaled", "top-1"], rows))
+    files = _write(out, "transfer", tables, md, plot_transfer(tables, out / "transfer.png"))
+    for label, t in tables.items():
+        print(f"transfer  {label}: " + "; ".join(
+            f"p{r['patch']}/{r['img_size']}px{' resc' if r['rescale'] else ''} {r['top1']:.3f}" for r in t))
+    return {"tables": tables, "files": files}
+
+
+def run_fields(models, cfg, args, out: Path) -> dict:
+    pngs = []
+    ssog = {label: m for label, m in models.items() if any(is_ssog(x) for x in m.mixers())}
+    for label, m in ssog.items():
+        name = "fields_atoms.png" if len(ssog) == 1 else f"fields_atoms_{_slug(label)}.png"
+        pngs.append(plot_fields(m, out / name, title=f"{label}: SSoG atoms, offsets from the query cell (grey) in grid "
+                                "cells\ncentre +, 1σ filled (opacity by λ), 2σ dashed"))
+    images, labels = _data.validation_set(cfg, limit=args.image_index + 1)
+    query = tuple(_ints(args.query)) if args.query else None
+    path, summary = plot_query_fields(models, images[args.image_index], out / "fields_query.png", query=query)
+    pngs.append(path)
+    rows = [(label, a, local, peak) for label, s in summary.items()
+            for a, local, peak in zip(s["applications"], s["local_3x3"], s["peak"])]
+    md = (f"## Attention field of query cell {next(iter(summary.values()))['query']} on validation image "
+          f"{args.image_index} (label {int(labels[args.image_index])})\n\n"
+          + markdown_table(["model", "application", "mass in 3x3 around query", "peak weight"], rows))
+    files = _write(out, "fields", {"query": summary, "atom_pictures": [str(p) for p in pngs[:-1]]}, md, None)
+    files["png"] = [str(p) for p in pngs]
+    for label, s in summary.items():
+        print(f"fields  {label}: query {tuple(s['query'])}, 3x3 mass " +
+              ", ".join(f"{v:.2f}" for v in s["local_3x3"]) + f" (applications {s['applications']})")
+    print("fields  wrote " + ", ".join(str(p) for p in pngs))
+    return {"query": summary, "files": files}
+
+
+RUNNERS = {"fields": run_fields, "atoms": run_atoms, "lipschitz": run_lipschitz, "sinks": run_sinks,
+           "steering": run_steering, "transfer": run_transfer}
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+
+
+def _write(out: Path, what: str, data, md: str, png) -> dict:
+    files = {"json": str(write_json(out / f"{what}.json", data)), "md": str(write_markdown(out / f"{what}.md", md))}
+    if png is not None:
+        files["png"] = str(png)
+    return files
+
+
+def analyze(what: str, argv: list[str] | None = None, **overrides) -> dict:
+    """Run one analysis (or `"all"`) as the command would, returning what it wrote and computed."""
+    args = build_parser().parse_args([what, *(argv or [])])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    models, cfg = load_models(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = ANALYSES if args.what == "all" else (args.what,)
+    results = {}
+    for what in todo:
+        results[what] = RUNNERS[what](models, cfg, args, out)
+    for what in todo:
+        files = results[what]["files"]
+        print(f"{what}: " + json.dumps(files))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `ssogvit analyze`."""
+    _run(build_parser().parse_args(argv))
+    return 0

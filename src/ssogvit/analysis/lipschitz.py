@@ -1,0 +1,293 @@
+"""Lipschitz constants of SSoG mixers: the bound of Proposition 1 and an empirical estimate (SPEC section 7).
+
+A fixed-SSoG mixer is the affine map `x -> W_O (M_h (x W_V)_h)_h`, where per head `M_h` is the dense
+`(P + N) x (P + N)` token-mixing matrix: patch rows are `A_h = sum_r lambda_r kron(K^y_r, K^x_r)`, prefix rows the
+mean over patches. `M_h` is entrywise non-negative, so `||M_h||_2 <= sqrt(||M_h||_1 ||M_h||_inf)` (largest column
+sum times largest row sum), and the mixer's Lipschitz constant is at most
+`max_h sqrt(||M_h||_1 ||M_h||_inf) * ||W_O||_2 * ||W_V||_2`.
+
+The column sums never need `M_h`: column `(jy, jx)` of `A_h` sums to `sum_r lambda_r cy_r[jy] cx_r[jx]` with
+`cy_r`, `cx_r` the column sums of the axis kernels, and the prefix rows add `P / N` to every patch column. (With
+prefix tokens the bound is therefore `sqrt(max col + P/N)`, not `sqrt(max col)`: the pooled prefix outputs are extra
+outputs, so they can raise the norm even though the mean is a contraction.)
+
+The empirical estimate is power iteration on the mixer's Jacobian (`J^T J` through a JVP and a VJP, by autograd).
+Every iterate `||J v|| / ||v||` is a lower bound on `||J||_2`, so the estimate can only approach the bound from below.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._common import is_ssog, is_steered, mixer_grid, mixer_rows
+
+_CLAMP = 1e100  # keeps float64 arithmetic finite for any finite parameter; far beyond any kernel change
+
+
+def axis_kernels(mu: Tensor, sigma: Tensor, tau: Tensor, length: int) -> Tensor:
+    """Axis kernels of SPEC section 2 in float64: `K[h, r, i, j] = softmax_j(-(j - i - mu)^2 / (2 sigma^2 tau))`.
+
+    The `mu^2` term is constant in `j` and dropped before the softmax, so extreme centres and widths stay finite.
+
+    Args:
+        mu: centres along this axis, `(H, R)`.
+        sigma: widths along this axis, `(H, R)`.
+        tau: temperature, scalar or per head `(H,)`.
+        length: number of grid positions on this axis.
+
+    Returns:
+        `(H, R, length, length)`, each row on the simplex.
+    """
+    mu = mu.double().clamp(-_CLAMP, _CLAMP)
+    tau = tau.double().reshape(-1, 1) if tau.ndim else tau.double()
+    spread = (sigma.double().clamp(max=_CLAMP) ** 2 * tau).clamp(max=_CLAMP)  # (H, R), >= sigma_min^2 tau_min
+    pos = torch.arange(length, dtype=torch.float64, device=mu.device)
+    delta = pos[None, :] - pos[:, None]  # (L, L): delta[i, j] = j - i
+    logits = (delta * mu[..., None, None] - 0.5 * delta**2) / spread[..., None, None]  # (H, R, L, L)
+    return logits.softmax(-1)
+
+
+@torch.no_grad()
+def head_norm_bounds(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
+    """Per-head `sqrt(max column sum * max row sum)` of a fixed-SSoG mixer's token-mixing matrix, without forming it.
+
+    Returns:
+        `(H,)` float64.
+    """
+    gh, gw = grid
+    n = gh * gw
+    mu, sigma, tau = mixer.mu.detach(), mixer.sigma().detach(), mixer.tau().detach()
+    lam = mixer.mixture().detach().double()  # (H, R)
+    ky = axis_kernels(mu[..., 0], sigma[..., 0], tau, gh)  # (H, R, Gh, Gh)
+    kx = axis_kernels(mu[..., 1], sigma[..., 1], tau, gw)  # (H, R, Gw, Gw)
+    col = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-2), kx.sum(-2)).flatten(1)  # (H, N) column sums of A_h
+    row = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-1), kx.sum(-1)).flatten(1)  # (H, N) row sums of A_h (= 1)
+    max_col = (col + num_prefix_tokens / n).amax(-1)  # prefix rows put 1/N on every patch column
+    max_row = row.amax(-1)
+    if num_prefix_tokens:
+        max_row = max_row.clamp(min=1.0)  # prefix rows: the mean, summing to 1
+    return (max_col * max_row).sqrt()
+
+
+def _spectral_norm(linear: nn.Linear) -> float:
+    return torch.linalg.matrix_norm(linear.weight.detach().double(), ord=2).item()
+
+
+@torch.no_grad()
+def lipschitz_bound(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 0) -> float:
+    """Proposition 1: `max_h sqrt(||M_h||_1 ||M_h||_inf) * ||W_O||_2 * ||W_V||_2` for a fixed-SSoG mixer.
+
+    Args:
+        mixer: an `SSoGAttention` without steering.
+        grid: `(Gh, Gw)`.
+        num_prefix_tokens: prefix tokens in front of the patches (they add `P / N` to every column sum).
+    """
+    if is_steered(mixer):
+        raise ValueError("Proposition 1 holds for fixed SSoG; for a steered mixer use local_lipschitz_growth")
+    heads = head_norm_bounds(mixer, grid, num_prefix_tokens).max().item()
+    return heads * _spectral_norm(mixer.proj) * _spectral_norm(mixer.v)
+
+
+def jacobian_spectral_norm(
+    fn: Callable[[Tensor], Tensor], x: Tensor, *, iters: int = 30, rtol: float = 1e-6, generator=None
+) -> float:
+    """Largest singular value of the Jacobian of `fn` at `x`, by power iteration on `J^T J` (JVP then VJP).
+
+    Returns the largest `||J v|| / ||v||` seen, a lower bound on `||J||_2` that converges to it.
+    """
+    x = x.detach()
+    v = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator)
+    v = v / v.norm()
+    jvp, vjp = _jvp_vjp(fn, x)
+    best = 0.0
+    for _ in range(iters):
+        jv = jvp(v)
+        gain = jv.norm().item()
+        jtjv = vjp(jv)
+        size = jtjv.norm()
+        if gain == 0.0 or size == 0:
+            break
+        v = jtjv / size
+        converged = gain <= best * (1 + rtol)
+        best = max(best, gain)
+        if converged:
+            break
+    return best
+
+
+def _jvp_vjp(fn: Callable[[Tensor], Tensor], x: Tensor):
+    """`(v -> J v, u -> J^T u)` at `x`. One graph, reused: `J^T u` by backward, `J v` by differentiating
+    `J^T u` in `u` (double backward), which on CPU is several times faster than forward-mode transforms here."""
+    xr = x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        y = fn(xr)
+        u0 = torch.zeros_like(y, requires_grad=True)
+        (g,) = torch.autograd.grad(y, xr, u0, create_graph=True)  # J^T u0, linear in u0
+
+    def jvp_fn(v: Tensor) -> Tensor:
+        return torch.autograd.grad(g, u0, v, retain_graph=True)[0]
+
+    def vjp_fn(u: Tensor) -> Tensor:
+        return torch.autograd.grad(y, xr, u, retain_graph=True)[0]
+
+    return jvp_fn, vjp_fn
+
+
+def _as_fn(mixer: nn.Module, grid: tuple[int, int]) -> Callable[[Tensor], Tensor]:
+    return lambda x: mixer(x, grid=grid)
+
+
+def _differentiable_copy(mixer: nn.Module) -> nn.Module:
+    """A float64 copy in eval mode whose fixed-field contraction is the plain autograd one (`impl="einsum"`): the
+    fast paths may use custom backward passes that cannot be differentiated twice. Same operator (the fast paths are
+    tested against it)."""
+    m = copy.deepcopy(mixer).double().eval()
+    if getattr(m, "impl", None) not in (None, "einsum"):
+        m.impl = "einsum"
+    return m
+
+
+def lipschitz_estimate(
+    mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 0, *, x: Tensor | None = None,
+    iters: int = 30, seed: int = 0,
+) -> float:
+    """Empirical Lipschitz constant of a mixer: power iteration on its Jacobian at `x` (random if omitted), float64.
+
+    For fixed SSoG the mixer is affine, so this is its global constant; for a steered or dense mixer, the local one.
+    """
+    mixer64 = _differentiable_copy(mixer)
+    gen = torch.Generator().manual_seed(seed)
+    if x is None:
+        dim = mixer64.v.in_features
+        x = torch.randn(1, num_prefix_tokens + grid[0] * grid[1], dim, dtype=torch.float64, generator=gen)
+    return jacobian_spectral_norm(_as_fn(mixer64, grid), x.double(), iters=iters, generator=gen)
+
+
+def _frozen_bound(attn: Tensor, mixer: nn.Module) -> float:
+    """`max_h sqrt(max col sum * max row sum) ||W_O|| ||W_V||` of a materialised map `(1, H, T, T)`."""
+    a = attn[0].double()
+    per_head = (a.sum(-2).amax(-1) * a.sum(-1).amax(-1)).sqrt()
+    return per_head.max().item() * _spectral_norm(mixer.proj) * _spectral_norm(mixer.v)
+
+
+def local_lipschitz_growth(
+    mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 0, *, radii: Sequence[float] = (),
+    samples: int = 2, iters: int = 15, seed: int = 0,
+) -> list[dict]:
+    """Local Lipschitz constant of a (steered) mixer on balls of growing radius.
+
+    For each radius `r`, `samples` inputs are drawn with every token of Euclidean norm `r` (the sphere bounding the
+    ball, where the steered term is largest), and the Jacobian's spectral norm is estimated at each. A steered
+    mixer's geometry depends on its input, so its Jacobian gains a term proportional to the values and grows with
+    `r`; fixed SSoG stays at its Proposition-1 level. Also reported: the Proposition-1 bound of the frozen field at
+    those inputs (the geometry held at its steered value), the part of the Jacobian that steering does not add.
+
+    Returns:
+        One dict per radius: `radius`, `local_max`, `local_mean`, `frozen_bound_max`.
+    """
+    mixer64 = _differentiable_copy(mixer)
+    fn = _as_fn(mixer64, grid)
+    gen = torch.Generator().manual_seed(seed)
+    dim = mixer64.v.in_features
+    tokens = num_prefix_tokens + grid[0] * grid[1]
+    rows = []
+    for r in radii:
+        local, frozen = [], []
+        for _ in range(samples):
+            x = torch.randn(1, tokens, dim, dtype=torch.float64, generator=gen)
+            x = r * x / x.norm(dim=-1, keepdim=True)
+            local.append(jacobian_spectral_norm(fn, x, iters=iters, rtol=1e-4, generator=gen))
+            with torch.no_grad():
+                _, attn = mixer64(x, grid=grid, return_attn=True)
+            frozen.append(_frozen_bound(attn, mixer64))
+        rows.append({"radius": float(r), "local_max": max(local), "local_mean": sum(local) / len(local),
+                     "frozen_bound_max": max(frozen)})
+    return rows
+
+
+def lipschitz_report(
+    model: nn.Module, *, radii: Sequence[float] | None = None, iters: int = 30, seed: int = 0,
+    samples: int = 2, max_steered: int | None = 3,
+) -> dict:
+    """Bound and estimate for every fixed-SSoG mixer of `model`; growth on balls for steered ones.
+
+    `radii` default to `(0.5, 1, 2, 4) * sqrt(D)`: after LayerNorm a token's norm is about `sqrt(D)`. The growth of
+    steered mixers (a power iteration per radius and sample) is measured on at most `max_steered` of them, first,
+    middle and last (`None`: all).
+    """
+    grid = mixer_grid(model)
+    prefix = int(getattr(model, "num_prefix_tokens", 0))
+    out = {"grid": list(grid), "num_prefix_tokens": prefix, "fixed": [], "steered": []}
+    rows = [(name, m) for name, m in mixer_rows(model) if is_ssog(m)]
+    steered = [i for i, (_, m) in enumerate(rows) if is_steered(m)]
+    if max_steered is not None and len(steered) > max_steered:
+        keep = {steered[round(k * (len(steered) - 1) / max(1, max_steered - 1))] for k in range(max_steered)}
+        steered = sorted(keep)
+    for i, (name, mixer) in enumerate(rows):
+        if is_steered(mixer):
+            if i not in steered:
+                continue
+            scale = math.sqrt(mixer.v.in_features)
+            rs = list(radii) if radii is not None else [f * scale for f in (0.5, 1.0, 2.0, 4.0)]
+            out["steered"].append({"layer": name, "growth": local_lipschitz_growth(
+                mixer, grid, prefix, radii=rs, samples=samples, iters=min(iters, 15), seed=seed)})
+        else:
+            bound = lipschitz_bound(mixer, grid, prefix)
+            est = lipschitz_estimate(mixer, grid, prefix, iters=iters, seed=seed)
+            heads = head_norm_bounds(mixer, grid, prefix).tolist()
+            out["fixed"].append({"layer": name, "bound": bound, "estimate": est, "ratio": est / bound,
+                                 "head_factor": heads, "norm_proj": _spectral_norm(mixer.proj),
+                                 "norm_v": _spectral_norm(mixer.v)})
+    return out
+
+
+def plot_lipschitz(reports: dict[str, dict], path) -> object:
+    """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
+    from .fields import _pyplot, _save
+
+    has_fixed = any(r["fixed"] for r in reports.values())
+    has_steered = any(r["steered"] for r in reports.values())
+    if not (has_fixed or has_steered):
+        return None
+    plt = _pyplot()
+    panels = int(has_fixed) + int(has_steered)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    axes = list(axes[0])
+    if has_fixed:
+        ax = axes.pop(0)
+        for k, (label, rep) in enumerate(reports.items()):
+            if not rep["fixed"]:
+                continue
+            xs = range(len(rep["fixed"]))
+            ax.plot(xs, [r["bound"] for r in rep["fixed"]], "s-", color=f"C{k}", label=f"{label}: bound (Prop. 1)")
+            ax.plot(xs, [r["estimate"] for r in rep["fixed"]], "o:", color=f"C{k}", label=f"{label}: power iteration")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_yscale("log")
+        ax.set_xlabel("fixed-SSoG mixer")
+        ax.set_ylabel("Lipschitz constant")
+        ax.legend(fontsize=7)
+        ax.set_title("fixed SSoG: the estimate stays below the bound", fontsize=9)
+    if has_steered:
+        ax = axes.pop(0)
+        for k, (label, rep) in enumerate(reports.items()):
+            for i, row in enumerate(rep["steered"]):
+                g = row["growth"]
+                style = dict(color=f"C{k}", alpha=0.35 + 0.65 * (i + 1) / len(rep["steered"]))
+                ax.plot([r["radius"] for r in g], [r["local_max"] for r in g], "o-", ms=3, **style,
+                        label=f"{label}: local ||J||, {row['layer']}" if i in (0, len(rep["steered"]) - 1) else None)
+                ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], ":", **style)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("token norm r (ball radius)")
+        ax.set_ylabel("largest ||J(x)||₂ found, ||x_t|| = r")
+        ax.legend(fontsize=6)
+        ax.set_title("steered SSoG: local constant vs input norm (dotted: frozen-geometry bound)", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -1,0 +1,181 @@
+"""Attention-sink metrics (paper Table 5, SPEC section 7) as functions of attention maps and tokens.
+
+Every metric reads dense, row-stochastic mixing matrices `(B, H, T, T)` (one per mixer application, prefix tokens
+first), so SSoG and MHA are measured the same way. Per-image statistics are computed batch by batch
+(`per_image_sink_stats`) and summarised over the whole image set (`summarize_sink_stats`); `sink_metrics` does both
+for one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+HIGH_NORM_FACTOR = 3.0
+
+
+def sink_score(attn: Tensor) -> Tensor:
+    """Attention received by the most-attended key over the uniform share, per image (1 = no sink).
+
+    Args:
+        attn: `(B, H, T, T)` (averaged over heads first) or head-averaged `(B, T, T)`.
+
+    Returns:
+        `(B,)`: `T * max_k mean_q A[q, k]`, i.e. the largest column sum of the row-stochastic map.
+    """
+    a = attn.mean(1) if attn.ndim == 4 else attn  # (B, T, T)
+    received = a.mean(-2)  # (B, T): mean over queries of the attention each key receives
+    return received.amax(-1) * a.shape[-1]
+
+
+def rollout(maps: Sequence[Tensor]) -> Tensor:
+    """Residual attention rollout `prod_l (A_l + I) / 2` of head-averaged maps, later layers on the left.
+
+    Returns:
+        `(B, T, T)`, row-stochastic.
+    """
+    out = None
+    for attn in maps:
+        a = attn.mean(1) if attn.ndim == 4 else attn  # (B, T, T)
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        step = 0.5 * (a + eye)
+        out = step if out is None else step @ out
+    if out is None:
+        raise ValueError("rollout needs at least one attention map")
+    return out
+
+
+def most_attended_key(attn: Tensor) -> Tensor:
+    """Index of the key receiving the most attention, per image and head: `(B, H, T, T) -> (B, H)`."""
+    return attn.mean(-2).argmax(-1)
+
+
+def same_key_share(keys: Tensor) -> Tensor:
+    """Share of images whose most-attended key is the head's most frequent one.
+
+    Args:
+        keys: `(B, ...)` integer key indices (e.g. `most_attended_key` of one layer, `(B, H)`).
+
+    Returns:
+        `(...)`: per head (or per any trailing index), in `[1/B, 1]`.
+    """
+    mode = keys.mode(0).values  # (...)
+    return (keys == mode).double().mean(0)
+
+
+def cls_mass(attn: Tensor, num_prefix_tokens: int = 1) -> Tensor:
+    """Attention from patch queries to the class token (token 0), averaged over heads and patch queries: `(B,)`."""
+    if num_prefix_tokens < 1:
+        return torch.full(attn.shape[:1], float("nan"), dtype=torch.float64, device=attn.device)
+    return attn[:, :, num_prefix_tokens:, 0].mean((1, 2))
+
+
+def high_norm_share(tokens: Tensor, num_prefix_tokens: int = 1, factor: float = HIGH_NORM_FACTOR) -> Tensor:
+    """Share of patch tokens whose norm exceeds `factor` times the per-image median patch-token norm, per image.
+
+    Args:
+        tokens: final pre-norm tokens `(B, P + N, D)`.
+
+    Returns:
+        `(B,)`.
+    """
+    norms = tokens[:, num_prefix_tokens:].double().norm(dim=-1)  # (B, N)
+    median = norms.median(-1, keepdim=True).values
+    return (norms > factor * median).double().mean(-1)
+
+
+@torch.no_grad()
+def per_image_sink_stats(maps: Sequence[Tensor], tokens: Tensor | None = None, num_prefix_tokens: int = 1) -> dict:
+    """Per-image statistics of one batch, to be concatenated over batches and summarised.
+
+    Args:
+        maps: one `(B, H, T, T)` map per mixer application.
+        tokens: final pre-norm tokens `(B, T, D)`, for the high-norm share (optional).
+
+    Returns:
+        Tensors with a leading image axis: `score (B, L)`, `rollout (B,)`, `key (B, L, H)`, `cls (B, L)`,
+        `high_norm (B,)` (when `tokens` is given).
+    """
+    maps = [m.double() for m in maps]
+    stats = {
+        "score": torch.stack([sink_score(m) for m in maps], 1),
+        "rollout": sink_score(rollout(maps)),
+        "key": torch.stack([most_attended_key(m) for m in maps], 1),
+        "cls": torch.stack([cls_mass(m, num_prefix_tokens) for m in maps], 1),
+    }
+    if tokens is not None:
+        stats["high_norm"] = high_norm_share(tokens, num_prefix_tokens)
+    return {k: v.cpu() for k, v in stats.items()}
+
+
+def concat_sink_stats(batches: Sequence[dict]) -> dict:
+    """Concatenate `per_image_sink_stats` of several batches along the image axis."""
+    return {k: torch.cat([b[k] for b in batches], 0) for k in batches[0]}
+
+
+def summarize_sink_stats(stats: dict) -> dict:
+    """The Table 5 row from per-image statistics.
+
+    Returns:
+        Floats: `sink_mean` (per-layer score averaged over images, then over layers), `sink_worst` (largest
+        per-layer score), `sink_rollout`, `same_key` (share, averaged over heads and layers), `cls_mass` (averaged
+        over images and layers), `high_norm` (share of patch tokens), and per-layer lists `sink_per_layer`,
+        `same_key_per_layer`, `cls_mass_per_layer`; `num_images`.
+    """
+    per_layer = stats["score"].mean(0)  # (L,)
+    same_key = same_key_share(stats["key"]).mean(-1)  # (L,)
+    cls = stats["cls"].mean(0)  # (L,)
+    out = {
+        "num_images": int(stats["score"].shape[0]),
+        "sink_mean": per_layer.mean().item(),
+        "sink_worst": per_layer.max().item(),
+        "sink_worst_layer": int(per_layer.argmax()),
+        "sink_rollout": stats["rollout"].mean().item(),
+        "same_key": same_key.mean().item(),
+        "cls_mass": cls.mean().item(),
+        "high_norm": stats["high_norm"].mean().item() if "high_norm" in stats else None,
+        "sink_per_layer": per_layer.tolist(),
+        "same_key_per_layer": same_key.tolist(),
+        "cls_mass_per_layer": cls.tolist(),
+    }
+    return out
+
+
+def sink_metrics(maps: Sequence[Tensor], tokens: Tensor | None = None, num_prefix_tokens: int = 1) -> dict:
+    """Table 5 metrics of one batch of attention maps (see `summarize_sink_stats` for the keys)."""
+    return summarize_sink_stats(per_image_sink_stats(maps, tokens, num_prefix_tokens))
+
+
+@torch.no_grad()
+def sink_report(model, images: Tensor, *, batch_size: int = 32) -> dict:
+    """Table 5 metrics of `model` over `images`, batch by batch (see `summarize_sink_stats`)."""
+    model.eval()
+    batches = []
+    for i in range(0, len(images), batch_size):
+        tokens, maps = model.forward_features(images[i: i + batch_size], return_attn=True, pre_norm=True)
+        batches.append(per_image_sink_stats(maps, tokens, int(model.num_prefix_tokens)))
+    return summarize_sink_stats(concat_sink_stats(batches))
+
+
+def plot_sinks(summaries: dict[str, dict], path) -> object:
+    """Sink score, same-key share and CLS mass per mixer application, one line per model."""
+    from .fields import _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for k, (label, s) in enumerate(summaries.items()):
+        for ax, key in zip(axes, ("sink_per_layer", "same_key_per_layer", "cls_mass_per_layer")):
+            ax.plot(range(len(s[key])), s[key], "o-", ms=3, color=f"C{k}", label=label)
+    axes[0].axhline(1.0, color="0.6", lw=0.8, ls="--")
+    for ax, title in zip(axes, ("sink score (1 = no sink)", "same-key share", "CLS mass from patch queries")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("mixer application")
+        ax.legend(fontsize=7)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return _save(fig, path)
