@@ -428,3 +428,65 @@ def test_set_patch_size_leaves_the_field_alone_unless_asked():
     model.set_patch_size(4)
     torch.testing.assert_close(model.blocks[0].attn.mu, mu, rtol=0, atol=0)
     torch.testing.assert_close(model.blocks[0].attn.rho, rho, rtol=0, atol=0)
+
+
+# -- global_pool: class token or patch mean ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixer", ["ssog", "ssog-steered"])
+def test_global_pool_avg_trains_the_last_ssog_field(mixer):
+    # With the class-token head the last discrete block's SSoG field gets exactly zero gradient (SPEC section 4, see
+    # above); the patch-mean head reads the patch outputs, so every parameter of that mixer is trained.
+    grads = {}
+    for pool in ("token", "avg"):
+        torch.manual_seed(0)
+        model = open_steering(create_model(f"vit-tiny-{mixer}", **{**TINY, "depth": 3}, global_pool=pool))
+        F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([1, 7])).backward()
+        last = model.blocks[-1].attn
+        grads[pool] = {k: p.grad for k, p in last.named_parameters()}
+    assert {"mu", "rho", "ell", "theta"} <= set(grads["avg"])
+    dead = [k for k, g in grads["avg"].items() if g is None or torch.count_nonzero(g) == 0]
+    assert not dead
+    assert grads["token"]["mu"] is None or torch.count_nonzero(grads["token"]["mu"]) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_global_pool_avg_head_reads_the_mean_of_the_patch_tokens(family):
+    model = create_model(f"{family}-tiny-ssog", **TINY, num_registers=2, global_pool="avg").eval()
+    assert model.global_pool == "avg" and model.num_prefix_tokens == 3
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        tokens = model.forward_features(x)
+        assert tokens.shape[1] == 3 + 16  # the class token is kept
+        expected = model.head(tokens[:, model.num_prefix_tokens :].mean(1))
+        torch.testing.assert_close(model.forward_head(tokens), expected, rtol=0, atol=0)
+        torch.testing.assert_close(model(x), expected)
+        default = create_model(f"{family}-tiny-ssog", **TINY, num_registers=2).eval()
+        assert default.global_pool == "token"
+        tokens = default.forward_features(x)
+        torch.testing.assert_close(default.forward_head(tokens), default.head(tokens[:, 0]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_global_pool_is_recorded_in_the_config(family):
+    torch.manual_seed(0)
+    model = create_model(f"{family}-tiny-ssog", **TINY, num_registers=1, global_pool="avg").eval()
+    assert model.config["global_pool"] == "avg"
+    assert create_model(f"{family}-tiny-ssog", **TINY).config["global_pool"] == "token"
+    twin = create_model(**model.config).eval()
+    assert twin.global_pool == "avg" and twin.config == model.config
+    twin.load_state_dict(model.state_dict())  # same architecture: the class token is there in both modes
+    assert set(twin.state_dict()) == set(create_model(f"{family}-tiny-ssog", **TINY, num_registers=1).state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), model(x))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unknown_global_pool_is_a_value_error_naming_the_valid_ones(family):
+    with pytest.raises(ValueError, match=r"global_pool.*'max'.*'token'.*'avg'"):
+        create_model(f"{family}-tiny-ssog", **TINY, global_pool="max")
+    from ssogvit.models import FAMILIES as CLASSES
+
+    with pytest.raises(ValueError, match=r"global_pool"):  # the classes check it too, not only create_model
+        CLASSES[family](global_pool="", embed_dim=192, num_heads=3, depth=1, num_classes=2)

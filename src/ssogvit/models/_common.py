@@ -18,7 +18,7 @@ from ssogvit.layers import create_mixer
 
 from . import transfer
 
-__all__ = ["SIZES", "Block", "CenterNorm", "VisionTransformerBase", "layer_norm"]
+__all__ = ["GLOBAL_POOLS", "SIZES", "Block", "CenterNorm", "VisionTransformerBase", "layer_norm"]
 
 #: size name -> (embed_dim, num_heads, depth). Depth is blocks (vit), loop steps T (looped) or steps / NFE (ode).
 SIZES: dict[str, tuple[int, int, int]] = {
@@ -30,6 +30,9 @@ SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 LN_EPS = 1e-6
+
+#: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the patch tokens (class and registers out)
+GLOBAL_POOLS: tuple[str, ...] = ("token", "avg")
 
 
 def layer_norm(dim: int) -> nn.LayerNorm:
@@ -141,7 +144,8 @@ class VisionTransformerBase(nn.Module):
 
     Token order: ``[class, registers..., patches (row-major)]``. The position embedding covers the class token and the
     patches (timm's layout); register tokens carry no position. At an image size other than ``img_size`` the patch
-    part of the position embedding is resized bicubically on the fly (the parameter itself is unchanged).
+    part of the position embedding is resized bicubically on the fly (the parameter itself is unchanged). The class
+    token is there whatever ``global_pool`` says; only the head's input changes.
     """
 
     family: str = ""
@@ -159,6 +163,7 @@ class VisionTransformerBase(nn.Module):
         in_chans: int,
         num_classes: int,
         num_registers: int,
+        global_pool: str,
         name: str | None,
         config: dict[str, Any],
     ) -> None:
@@ -171,6 +176,8 @@ class VisionTransformerBase(nn.Module):
             raise ValueError(f"num_registers must be >= 0, got {num_registers}")
         if num_classes < 0:
             raise ValueError(f"num_classes must be >= 0, got {num_classes}")
+        if global_pool not in GLOBAL_POOLS:
+            raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS}")
         img_size = _pair(img_size)
         if patch_size < 1 or img_size[0] < patch_size or img_size[1] < patch_size:
             raise ValueError(f"patch_size {patch_size} does not fit img_size {img_size}")
@@ -185,6 +192,7 @@ class VisionTransformerBase(nn.Module):
         self.num_classes = num_classes
         self.num_registers = num_registers
         self.num_prefix_tokens = 1 + num_registers
+        self.global_pool = global_pool
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
             name = f"{self.family}-{size}-{mixer}"
@@ -291,7 +299,10 @@ class VisionTransformerBase(nn.Module):
         return (z, attns) if return_attn else z
 
     def forward_head(self, tokens: Tensor) -> Tensor:
-        """Normalised tokens -> logits, from the class token."""
+        """Normalised tokens -> logits: from the class token (``global_pool="token"``) or from the mean of the patch
+        tokens, class and register tokens excluded (``"avg"``, timm's convention)."""
+        if self.global_pool == "avg":
+            return self.head(tokens[:, self.num_prefix_tokens :].mean(dim=1))
         return self.head(tokens[:, 0])
 
     def forward(self, x: Tensor) -> Tensor:

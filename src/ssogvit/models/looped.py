@@ -27,6 +27,8 @@ class LoopedViT(VisionTransformerBase):
         in_chans: image channels.
         num_classes: classes of the linear head (0: no head).
         num_registers: register tokens after the class token.
+        global_pool: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the normalised patch
+            tokens (class and register tokens excluded).
         drop_path_rate: stochastic depth of the shared block, the same at every step.
         mlp_ratio: MLP hidden width over ``D``.
         name: registry name recorded in ``config``.
@@ -47,19 +49,20 @@ class LoopedViT(VisionTransformerBase):
         in_chans: int = 3,
         num_classes: int = 1000,
         num_registers: int = 0,
+        global_pool: str = "token",
         drop_path_rate: float = 0.0,
         mlp_ratio: float = 4.0,
         name: str | None = None,
     ) -> None:
         config = dict(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
-            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, drop_path_rate=drop_path_rate,
-            mlp_ratio=mlp_ratio, **(mixer_options or {}),
+            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
+            drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio, **(mixer_options or {}),
         )
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, name=name, config=config,
+            num_registers=num_registers, global_pool=global_pool, name=name, config=config,
         )
         self.blocks = nn.ModuleList([self._make_block(mlp_ratio=mlp_ratio, drop_path=drop_path_rate)])
         self._init_weights()

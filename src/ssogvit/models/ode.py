@@ -59,6 +59,8 @@ class ODEViT(VisionTransformerBase):
         in_chans: image channels.
         num_classes: classes of the linear head (0: no head).
         num_registers: register tokens after the class token.
+        global_pool: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the normalised patch
+            tokens (class and register tokens excluded).
         drop_path_rate: must be 0 (stochastic depth has no meaning inside an ODE solve).
         mlp_ratio: MLP hidden width over ``D``.
         solver: a torchdiffeq method, one of ``FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS``.
@@ -87,6 +89,7 @@ class ODEViT(VisionTransformerBase):
         in_chans: int = 3,
         num_classes: int = 1000,
         num_registers: int = 0,
+        global_pool: str = "token",
         drop_path_rate: float = 0.0,
         mlp_ratio: float = 4.0,
         solver: str = "euler",
@@ -108,14 +111,15 @@ class ODEViT(VisionTransformerBase):
             raise ValueError(f"rtol and atol must be > 0, got rtol={rtol}, atol={atol}")
         config = dict(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
-            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, drop_path_rate=drop_path_rate,
-            mlp_ratio=mlp_ratio, solver=solver, scale=scale, norm=norm_key, rtol=rtol, atol=atol, adjoint=adjoint,
+            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
+            drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio, solver=solver, scale=scale, norm=norm_key, rtol=rtol,
+            atol=atol, adjoint=adjoint,
             **(mixer_options or {}),
         )
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, name=name, config=config,
+            num_registers=num_registers, global_pool=global_pool, name=name, config=config,
         )
         self.solver = solver
         self.scale = float(depth if scale is None else scale)

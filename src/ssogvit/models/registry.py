@@ -59,9 +59,10 @@ def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
             (384/6), ``medium`` (576/9), ``base`` (768/12), ``large`` (1024/16, depth 24), mixer from
             ``ssogvit.layers.list_mixers()``.
         **kwargs: model options (``num_classes``, ``img_size``, ``patch_size``, ``depth`` -- blocks, loop steps or
-            ODE steps --, ``num_registers``, ``drop_path_rate``, ``in_chans``, ``mlp_ratio``, ``embed_dim`` and
-            ``num_heads`` to override the size, and for ``ode``: ``solver``, ``scale``, ``norm``, ``rtol``, ``atol``,
-            ``adjoint``); every other keyword is a mixer option (``num_atoms``, ``steer``, ``radius``, ...).
+            ODE steps --, ``num_registers``, ``global_pool`` (``"token"`` or ``"avg"``), ``drop_path_rate``,
+            ``in_chans``, ``mlp_ratio``, ``embed_dim`` and ``num_heads`` to override the size, and for ``ode``:
+            ``solver``, ``scale``, ``norm``, ``rtol``, ``atol``, ``adjoint``); every other keyword is a mixer option
+            (``num_atoms``, ``steer``, ``radius``, ...).
 
     Returns:
         The model; ``create_model(**model.config)`` rebuilds it.
