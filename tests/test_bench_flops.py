@@ -1,0 +1,72 @@
+"""The analytic FLOP count reproduces the paper's Table 4 and agrees with torch's FlopCounterMode."""
+
+import pytest
+import torch
+
+from ssogvit.bench import count_flops, flops_breakdown, measure_flops, mixer_flops
+from ssogvit.bench._paper import TABLE4_ATTENTION, TABLE4_TOTAL
+from ssogvit.layers import create_mixer
+from ssogvit.models import create_model
+
+
+@pytest.fixture(scope="module")
+def base_models():
+    torch.manual_seed(0)
+    return {
+        (family, mixer): create_model(f"{family}-base-{mixer}", num_classes=1000)
+        for family in ("vit", "looped", "ode")
+        for mixer in ("mha", "ssog")
+    }
+
+
+@pytest.mark.parametrize("family", ["vit", "looped", "ode"])
+@pytest.mark.parametrize("mixer", ["mha", "ssog"])
+def test_count_flops_reproduces_paper_table4_within_1_5_percent(base_models, family, mixer):
+    model = base_models[(family, mixer)]
+    for res, paper in TABLE4_TOTAL[mixer].items():
+        assert count_flops(model, res) / 1e9 == pytest.approx(paper, rel=0.015), (family, mixer, res)
+    for res, paper in TABLE4_ATTENTION[mixer].items():
+        assert flops_breakdown(model, res)["mixer"] / 1e9 == pytest.approx(paper, rel=0.015), (family, mixer, res)
+
+
+def test_breakdown_parts_add_up_and_ssog_saves_exactly_the_qk_projections_and_the_score_matrix(base_models):
+    res, t, n, d, r, g = 384, 577, 576, 768, 4, 24
+    mha = flops_breakdown(base_models[("vit", "mha")], res)
+    ssog = flops_breakdown(base_models[("vit", "ssog")], res)
+    for parts in (mha, ssog):
+        assert parts["total"] == parts["patch_embed"] + parts["mixer"] + parts["mlp"] + parts["head"]
+    assert mha["mlp"] == ssog["mlp"] == 12 * 2 * 8 * t * d * d
+    assert mha["mixer"] == 12 * 2 * (4 * t * d * d + 2 * t * t * d)
+    assert ssog["mixer"] == 12 * 2 * ((n + t) * d * d + r * d * n * 2 * g + n * d)
+
+
+def _small_models():
+    for family in ("vit", "looped", "ode"):
+        for mixer in ("mha", "mha-unfused", "ssog", "ssog-steered"):
+            yield f"{family}-tiny-{mixer}"
+
+
+@pytest.mark.parametrize("name", list(_small_models()))
+def test_flop_counter_mode_agrees_within_2_percent(name):
+    torch.manual_seed(0)
+    model = create_model(name, img_size=96, depth=2, num_classes=10)
+    analytic, measured = count_flops(model, 96), measure_flops(model, 96)
+    assert measured > 0
+    assert measured == pytest.approx(analytic, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["mha", "mha-unfused", "ssog", "ssog-steered", "torch-mha"])
+def test_mixer_flops_match_flop_counter_mode_on_a_rectangular_grid(name):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ssogvit.bench.flops import _custom_mapping
+
+    dim, heads, grid, prefix = 96, 4, (5, 7), 2
+    if name == "torch-mha":
+        mixer = torch.nn.MultiheadAttention(dim, heads, batch_first=True).eval()
+    else:
+        mixer = create_mixer(name, dim, heads).eval()
+    x = torch.randn(1, prefix + grid[0] * grid[1], dim)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_custom_mapping()) as counter:
+        mixer(x, x, x, need_weights=False) if name == "torch-mha" else mixer(x, grid=grid)
+    assert counter.get_total_flops() == pytest.approx(mixer_flops(mixer, grid, prefix)["total"], rel=0.02)
