@@ -312,8 +312,9 @@ def ssog_mix_steered(
     dh = d // h
     tau = tau.reshape(-1)
     tau = tau.expand(h) if tau.numel() == 1 else tau
-    iy = torch.arange(gh, device=values.device, dtype=mu.dtype).view(1, gh, 1, 1, 1)
-    ix = torch.arange(gw, device=values.device, dtype=mu.dtype).view(1, 1, gw, 1, 1)
+    # query indices, laid out as the kernel tables below: y rows in (b, k, h, iy, r), x rows in (b, iy, h, ix, r)
+    iy = torch.arange(gh, device=values.device, dtype=mu.dtype).view(1, 1, 1, gh, 1)
+    ix = torch.arange(gw, device=values.device, dtype=mu.dtype).view(1, 1, 1, gw, 1)
     v = values[:, p:].view(b, gh, gw, h, dh)
     mu = mu.reshape(b, gh, gw, h, r, 2)
     sigma = sigma.reshape(b, gh, gw, h, r, 2)
@@ -323,22 +324,31 @@ def ssog_mix_steered(
     if p:
         out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)
     out = out_all[:, p:].view(b, gh, gw, h, dh)
+    inference = not (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad or lam.requires_grad))
     for h0 in range(0, h, chunk):
         hs = slice(h0, min(h, h0 + chunk))
         c = hs.stop - h0
-        t = tau[hs].view(1, 1, 1, c, 1)
-        ky = token_axis_kernels(gh, iy, mu[:, :, :, hs, :, 0], sigma[:, :, :, hs, :, 0], t)  # (B, Gh, Gw, c, R, Gh)
-        kx = token_axis_kernels(gw, ix, mu[:, :, :, hs, :, 1], sigma[:, :, :, hs, :, 1], t)  # (B, Gh, Gw, c, R, Gw)
-        kx = kx * lam[:, :, :, hs, :, None]
-        ky, kx = ky.to(values.dtype), kx.to(values.dtype)
+        t = tau[hs].view(1, 1, c, 1, 1)
+        # The small per-token geometry is permuted so that the kernel tables come out in the matmuls' layouts.
+        col = (0, 2, 3, 1, 4)  # (b, iy, k, h, r) -> (b, k, h, iy, r): token (iy, k) steers row iy of column k
+        ky = token_axis_kernels(
+            gh, iy, mu[:, :, :, hs, :, 0].permute(col).contiguous(), sigma[:, :, :, hs, :, 0].permute(col), t
+        ).to(values.dtype)  # (B, Gw, c, Gh, R, Gh)
         # column pass, batched over (b, k, h): ((iy, r), jy) @ (jy, d)
-        ky_b = ky.permute(0, 2, 3, 1, 4, 5).reshape(b * gw * c, gh * r, gh)
         v_b = v[:, :, :, hs].permute(0, 2, 3, 1, 4).reshape(b * gw * c, gh, dh)
-        u = torch.bmm(ky_b, v_b).view(b, gw, c, gh, r, dh)  # U[b, k, h, iy, r, d]
+        u = torch.bmm(ky.view(b * gw * c, gh * r, gh), v_b).view(b, gw, c, gh, r, dh)  # U[b, k, h, iy, r, d]
+        del ky, v_b
+        row = (0, 1, 3, 2, 4)  # (b, iy, ix, h, r) -> (b, iy, h, ix, r): the query steers its own row and mixture
+        kx = token_axis_kernels(
+            gw, ix, mu[:, :, :, hs, :, 1].permute(row).contiguous(), sigma[:, :, :, hs, :, 1].permute(row), t
+        )  # (B, Gh, c, Gw, R, Gw)
+        weights = lam[:, :, :, hs].permute(row)[..., None]
+        kx = (kx.mul_(weights) if inference else kx * weights).to(values.dtype)
         # row pass, batched over (b, iy, h): (ix, (r, k)) @ ((r, k), d)
-        kx_b = kx.permute(0, 1, 3, 2, 4, 5).reshape(b * gh * c, gw, r * gw)
         u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
-        y = torch.bmm(kx_b, u_b).view(b, gh, c, gw, dh)
+        del u
+        y = torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
+        del kx, u_b
         out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
     return out_all
 

@@ -232,9 +232,11 @@ class SSoGAttention(nn.Module):
             mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk(x.shape[0], (gh, gw), self.num_heads, self.num_atoms, self.dim)
             mixed = ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk)
+            del mu, sigma, lam
         else:
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
             mixed = ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl=self.impl)
+        del values  # in inference the values are freed before the output projection allocates its result
         out = self.proj_drop(self.proj(mixed))
         if return_attn:
             return out, self.attention_matrix(x, (gh, gw))
