@@ -10,7 +10,6 @@ The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -353,8 +352,8 @@ def ssog_mix_steered(
     return out_all
 
 
-def default_head_chunk(batch: int, grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:
+def default_head_chunk(grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:
     """Heads per chunk so that one chunk's steered kernel tables stay within about a third of the activation."""
     gh, gw = grid
     per_head = atoms * (gh + gw)  # kernel entries per token and head
-    return max(1, min(heads, math.floor(dim / (3 * per_head)) or 1))
+    return max(1, min(heads, dim // (3 * per_head)))

@@ -230,7 +230,7 @@ class SSoGAttention(nn.Module):
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
-            chunk = self.head_chunk or ops.default_head_chunk(x.shape[0], (gh, gw), self.num_heads, self.num_atoms, self.dim)
+            chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
             mixed = ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk)
             del mu, sigma, lam
         else:
