@@ -10,7 +10,6 @@ The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
