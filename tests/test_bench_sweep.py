@@ -36,6 +36,20 @@ def test_cpu_peak_memory_sees_an_allocation_of_known_size():
     assert mib <= peak["peak_mib"] < mib + 8
 
 
+def test_torch_peak_memory_sees_transient_allocations():
+    from ssogvit.bench.memory import torch_peak_call
+
+    def fn():
+        a = torch.ones(4 * 2**20 // 4)  # 4 MiB, freed before the 8 MiB below
+        del a
+        b = torch.ones(8 * 2**20 // 4)
+        c = b + 1  # 16 MiB live together
+        return c
+
+    peak = torch_peak_call(fn)["torch_peak_mib"]
+    assert peak == pytest.approx(16.0, rel=0.02)
+
+
 def test_tiny_model_sweep_end_to_end(tmp_path):
     t0 = time.perf_counter()
     argv = ["models", "--families", "vit", "--sizes", "tiny", "--mixers", "mha", "ssog", "--set", "depth=2",
@@ -142,3 +156,38 @@ def test_a_training_step_point_measures_more_memory_than_inference():
         pytest.skip(train["memory_method"])
     # the step keeps every block's activations for backward and allocates a gradient per parameter (fp32)
     assert train["peak_mib"] > infer["peak_mib"] + train["params"] * 4 / 2**20 * 0.9
+
+
+def test_repeats_keep_each_points_lowest_median_and_peak(monkeypatch, tmp_path):
+    """Rounds re-run only the cheap points; a point keeps its best repeat and lists all of them."""
+    from ssogvit.bench import runner
+
+    times = {"a": iter([10.0, 8.0, 12.0]), "b": iter([500.0]), "c": iter([5.0, 7.0, 6.0])}
+    peaks = {"a": iter([3.0, 4.0, 2.5]), "b": iter([9.0]), "c": iter([1.0, 1.0, 1.0])}
+    calls = []
+
+    def fake_run_point(point, *, timeout=None, launcher="forkserver"):
+        calls.append(point["label"])
+        t = next(times[point["label"]])
+        return dict(point, status="ok", time_ms_median=t, time_ms_mean=t + 1, images_per_s=1e3 / t,
+                    peak_mib=next(peaks[point["label"]]))
+
+    monkeypatch.setattr(runner, "run_point", fake_run_point)
+    points = [dict(label=k, batch=1) for k in "abc"]
+    rows = runner.run_sweep(points, out_dir=tmp_path, name="r", repeats=3, repeat_below_ms=100.0, log=lambda s: None)
+    assert calls == ["a", "b", "c", "a", "c", "a", "c"]  # rounds, and "b" (500 ms) is not repeated
+    a, b, c = rows
+    assert a["time_ms_median"] == 8.0 and a["time_ms_mean"] == 9.0 and a["peak_mib"] == 2.5
+    assert a["repeat_medians_ms"] == [10.0, 8.0, 12.0] and a["repeats"] == 3
+    assert b["time_ms_median"] == 500.0 and "repeats" not in b
+    assert c["time_ms_median"] == 5.0 and c["repeat_medians_ms"] == [5.0, 7.0, 6.0]
+    saved = runner.read_results(tmp_path / "r.json")[1]
+    assert saved[0]["time_ms_median"] == 8.0  # the files hold the merged rows
+
+
+def test_a_failed_repeat_keeps_the_earlier_result():
+    from ssogvit.bench.runner import merge_repeat
+
+    best = dict(status="ok", time_ms_median=4.0, peak_mib=2.0)
+    out = merge_repeat(best, dict(status="error", error="boom"))
+    assert out["time_ms_median"] == 4.0 and out["status"] == "ok" and out["repeat_medians_ms"] == [4.0, None]

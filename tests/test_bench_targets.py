@@ -52,3 +52,16 @@ def test_points_cover_every_target():
     assert ("matmul", "matmul-2048", "inference") in kinds
     assert {("operator", m, "inference") for m in ("mha", "ssog", "ssog-steered")} <= kinds
     assert ("model", "vit-base-ssog", "train") in kinds and ("model", "vit-base-mha", "inference") in kinds
+
+
+def test_training_memory_is_judged_on_both_measures():
+    def model(mixer, peak, torch_peak):
+        return dict(kind="model", label=f"vit-base-{mixer}", res=384, batch=1, mode="train", status="ok",
+                    time_ms_median=100.0, peak_mib=peak, torch_peak_mib=torch_peak)
+
+    out = evaluate_targets([model("mha", 500.0, 345.0), model("ssog", 520.0, 316.0)])
+    by = {r["target"]: r for r in out}
+    assert by["training step peak memory (resident)"]["met"] is False
+    assert by["training step peak memory (resident)"]["measured"] == pytest.approx(1.04)
+    assert by["training step peak memory (PyTorch allocations)"]["met"] is True
+    assert by["training step peak memory (PyTorch allocations)"]["measured"] == pytest.approx(316 / 345)

@@ -266,3 +266,84 @@ def test_torch_compile_matches_eager(name):
     x = torch.randn(2, 1 + 20, 16)
     compiled = torch.compile(m)
     torch.testing.assert_close(compiled(x, grid=(4, 5)), m(x, grid=(4, 5)), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inference paths: heads mixed in chunks, results written over the values
+
+
+def _fixed_problem(b, grid, prefix, heads=3, atoms=3, dh=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gh, gw = grid
+    m = make_mixer(dim=heads * dh, heads=heads, atoms=atoms)
+    ky, kx, lam = m._fixed_kernels(grid, torch.float64)
+    values = torch.randn(b, prefix + gh * gw, heads * dh, generator=g, **F64)
+    a = reference.with_prefix(reference.dense_fixed_matrix(m.mu, m.sigma(), m.mixture(), m.tau(), grid), prefix)
+    return values, ky.detach(), kx.detach(), lam.detach(), reference.dense_mix(a.unsqueeze(0).expand(b, -1, -1, -1), values)
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("chunk", [None, 1, 2, 3, 5])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inference_stacked_paths_equal_dense_reference(grid, prefix, batch, chunk, inplace):
+    values, ky, kx, lam, y_ref = _fixed_problem(batch, grid, prefix)
+    keep = values.clone()
+    with torch.no_grad():
+        y = ops.ssog_mix(values, grid, ky, kx, lam, impl="stacked", head_chunk=chunk, inplace=inplace)
+    assert rel_err(y, y_ref) < 1e-12
+    if inplace:
+        assert y.data_ptr() == values.data_ptr()  # the values' buffer holds the result
+    else:
+        assert torch.equal(values, keep)  # the input is left alone
+
+
+@pytest.mark.parametrize("steer", STEERS[1:], ids=lambda s: "+".join(s))
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_inference_steered_inplace_equals_dense_reference(steer, prefix):
+    m = make_mixer(steer)
+    grid = (5, 7)
+    x = torch.randn(2, prefix + 35, 12, **F64)
+    with torch.no_grad():
+        a = m.attention_matrix(x, grid)
+        values = m.v(x)
+        y_ref = reference.dense_mix(a, values)
+        mu, sigma, lam = m.geometry(x[:, prefix:])
+        for chunk in (1, 2, 3):
+            v = values.clone()
+            y = ops.ssog_mix_steered(v, grid, mu, sigma, lam, m.tau(), head_chunk=chunk, inplace=True)
+            assert y.data_ptr() == v.data_ptr()
+            assert rel_err(y, y_ref) < 1e-12, chunk
+
+
+@pytest.mark.parametrize("steer", [(), STEER_PATHS], ids=["fixed", "steered"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_module_inference_equals_dense_reference(steer, mode):
+    """Without autograd the module mixes in place (and, for small inputs, in head chunks); same result."""
+    m = make_mixer(steer).eval()
+    grid = (5, 7)
+    x = torch.randn(2, 1 + 35, 12, **F64)
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        y_ref = dense_forward(m, x, grid)
+        for chunk in (None, 1, 2):
+            m.head_chunk = chunk
+            assert rel_err(m(x, grid=grid), y_ref) < 1e-12, chunk
+
+
+def test_inplace_mixing_refuses_values_that_autograd_needs():
+    values, ky, kx, lam, _ = _fixed_problem(1, (3, 4), 1)
+    values.requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace=True"):
+        ops.ssog_mix(values, (3, 4), ky, kx, lam, inplace=True)
+    mu = torch.zeros(1, 12, 3, 3, 2, **F64)
+    lam_t = torch.full((1, 12, 3, 3), 1 / 3, **F64)
+    with pytest.raises(ValueError, match="inplace=True"):
+        ops.ssog_mix_steered(values, (3, 4), mu, mu + 1.0, lam_t, torch.tensor(1.0, **F64), inplace=True)
+
+
+def test_default_mix_head_chunk_batches_heads_only_for_small_problems():
+    assert ops.default_mix_head_chunk(196, 12, 4) == 2  # ViT-B at 224, batch 1
+    assert ops.default_mix_head_chunk(ops.SMALL_MIX_TOKENS + 1, 12, 4) == 1
+    assert ops.default_mix_head_chunk(100, 3, 4) == 1  # fewer heads than atoms + 2

@@ -24,6 +24,7 @@ __all__ = [
     "ssog_mix_steered",
     "prefix_pool",
     "check_grid",
+    "default_mix_head_chunk",
 ]
 
 #: Implementations of the fixed separable contraction. ``"auto"`` picks one by problem size.
@@ -128,7 +129,15 @@ def prefix_pool(values: Tensor, num_prefix: int) -> Tensor:
 
 
 def ssog_mix(
-    values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *, impl: str = "auto"
+    values: Tensor,
+    grid: tuple[int, int],
+    ky: Tensor,
+    kx: Tensor,
+    lam: Tensor,
+    *,
+    impl: str = "auto",
+    inplace: bool = False,
+    head_chunk: int | None = None,
 ) -> Tensor:
     """Separable fixed-SSoG mixing of all tokens: prefix tokens get the mean patch value, patches
 
@@ -145,12 +154,23 @@ def ssog_mix(
             ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
             ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
             CUDA tensors when Triton imports and the kernel's tiles fit the device).
+        inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them).
+            ``"stacked"`` then writes its result into ``values``' buffer, one activation-sized buffer less: each
+            head's values are read for the last time before its result is written. The other implementations
+            ignore it.
+        head_chunk: heads mixed together by ``"stacked"`` (one batched matmul per pass for the chunk instead of one
+            per head). ``None`` picks by size: chunks of ``H // (R + 2)`` heads (their temporaries stay within one
+            activation) where ``B * N`` is small enough that per-head matmuls are too small to use both cores, one
+            head at a time otherwise.
 
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
     gh, gw = grid
     p = values.shape[1] - gh * gw
+    grad_needed = torch.is_grad_enabled() and any(t.requires_grad for t in (values, ky, kx, lam))
+    if inplace and grad_needed:
+        raise ValueError("ssog_mix(inplace=True) overwrites the values, which autograd needs: use it without grad")
     if impl == "triton" or (impl == "auto" and values.is_cuda and _triton_ready(values, grid, lam.shape[1])):
         from ssogvit.kernels import ssog_mix_triton  # imports Triton on first use only
 
@@ -159,7 +179,10 @@ def ssog_mix(
         h, r = lam.shape
         ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
         kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
-        return _StackedMix.apply(values, ky_fold, kx_stack, gh, gw)
+        if grad_needed:
+            return _StackedMix.apply(values, ky_fold, kx_stack, gh, gw)
+        chunk = head_chunk or default_mix_head_chunk(values.shape[0] * gh * gw, h, r)
+        return _stacked_forward(values, ky_fold, kx_stack, gh, gw, values if inplace else None, chunk)
     if impl == "loop":
         mixed = _mix_loop(values[:, p:], grid, ky, kx, lam)
     elif impl == "einsum":
@@ -167,6 +190,59 @@ def ssog_mix(
     else:
         raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
     return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
+
+
+#: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
+#: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md: mixing at 224,
+#: batch 1 takes 0.70x the per-head time with chunks of 2 heads, at 384 0.80x; from 512 or batch 4 on the
+#: per-head form is as fast or faster).
+SMALL_MIX_TOKENS = 640
+
+
+def default_mix_head_chunk(batch_tokens: int, heads: int, atoms: int) -> int:
+    """Heads per chunk for the fixed mixing's forward (see ``ssog_mix``'s ``head_chunk``)."""
+    if batch_tokens > SMALL_MIX_TOKENS:
+        return 1
+    return max(1, heads // (atoms + 2))  # a chunk's temporaries: (atoms + 2) * chunk / heads activations
+
+
+def _stacked_forward(
+    values: Tensor, ky_fold: Tensor, kx_stack: Tensor, gh: int, gw: int, out: Tensor | None, chunk: int
+) -> Tensor:
+    """Forward of ``_StackedMix`` (also used directly without autograd). ``out`` may be ``values`` itself: each
+    head's (or chunk's) values are read into temporaries before its result is written."""
+    b, t, d = values.shape
+    h = ky_fold.shape[0]
+    r = kx_stack.shape[1] // gw
+    dh = d // h
+    p = t - gh * gw
+    patches = values[:, p:]
+    vp = patches.view(b, gh, gw, h, dh)
+    if out is None:
+        out = values.new_empty(b, t, d)
+    if p:  # before any patch row is overwritten
+        out[:, :p] = patches.mean(dim=1, keepdim=True)
+    op = out[:, p:].view(b, gh, gw, h, dh)
+    if chunk <= 1:
+        for hi in range(h):
+            u = torch.matmul(kx_stack[hi], vp[:, :, :, hi])  # (B, Gh, R*Gw, dh): layout (b, jy, r, ix, d)
+            y = torch.matmul(ky_fold[hi], u.view(b, gh * r, gw * dh))  # (B, Gh, Gw*dh)
+            del u
+            op[:, :, :, hi] = y.view(b, gh, gw, dh)
+        return out
+    for h0 in range(0, h, chunk):
+        hs = slice(h0, min(h, h0 + chunk))
+        c = hs.stop - h0
+        v_c = vp[:, :, :, hs].permute(3, 0, 1, 2, 4).reshape(c, b * gh, gw, dh)  # a copy, head-major
+        u = torch.matmul(kx_stack[hs, None], v_c)  # (c, B*Gh, R*Gw, dh): one batched matmul for the chunk
+        del v_c
+        if b == 1:
+            y = torch.bmm(ky_fold[hs], u.view(c, gh * r, gw * dh))
+        else:
+            y = torch.matmul(ky_fold[hs, None], u.view(c, b, gh * r, gw * dh))
+        del u
+        op[:, :, :, hs] = y.view(c, b, gh, gw, dh).permute(1, 2, 3, 0, 4)
+    return out
 
 
 def _triton_ready(values: Tensor, grid: tuple[int, int], atoms: int) -> bool:
@@ -219,21 +295,7 @@ class _StackedMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: Tensor, ky_fold: Tensor, kx_stack: Tensor, gh: int, gw: int) -> Tensor:
-        b, t, d = values.shape
-        h = ky_fold.shape[0]
-        r = kx_stack.shape[1] // gw
-        dh = d // h
-        p = t - gh * gw
-        patches = values[:, p:]
-        vp = patches.view(b, gh, gw, h, dh)
-        out = values.new_empty(b, t, d)
-        if p:
-            out[:, :p] = patches.mean(dim=1, keepdim=True)
-        op = out[:, p:].view(b, gh, gw, h, dh)
-        for hi in range(h):
-            u = torch.matmul(kx_stack[hi], vp[:, :, :, hi])  # (B, Gh, R*Gw, dh): layout (b, jy, r, ix, d)
-            y = torch.matmul(ky_fold[hi], u.view(b, gh * r, gw * dh))  # (B, Gh, Gw*dh)
-            op[:, :, :, hi] = y.view(b, gh, gw, dh)
+        out = _stacked_forward(values, ky_fold, kx_stack, gh, gw, None, 1)
         ctx.save_for_backward(values, ky_fold, kx_stack)
         ctx.grid = (gh, gw)
         return out
@@ -284,6 +346,7 @@ def ssog_mix_steered(
     tau: Tensor,
     *,
     head_chunk: int | None = None,
+    inplace: bool = False,
 ) -> Tensor:
     """Separable mixing with per-token geometry (SPEC section 3).
 
@@ -299,6 +362,8 @@ def ssog_mix_steered(
         tau: temperature, a scalar tensor or ``(H,)``.
         head_chunk: heads processed together; bounds the per-token kernel tables to
             ``B * N * head_chunk * R * (Gh + Gw)`` entries. ``None`` = all heads at once.
+        inplace: write the result over ``values`` and return it (inference only: an error if autograd would need
+            ``values``); each chunk's values are read for the last time before its result is written.
 
     Returns:
         Mixed values ``(B, P + N, D)``.
@@ -318,8 +383,10 @@ def ssog_mix_steered(
     sigma = sigma.reshape(b, gh, gw, h, r, 2)
     lam = lam.reshape(b, gh, gw, h, r)
     chunk = h if head_chunk is None else max(1, int(head_chunk))
-    out_all = values.new_empty(b, t, d)
-    if p:
+    if inplace and torch.is_grad_enabled() and values.requires_grad:
+        raise ValueError("ssog_mix_steered(inplace=True) overwrites the values, which autograd needs: use it without grad")
+    out_all = values if inplace else values.new_empty(b, t, d)
+    if p:  # before any patch row is overwritten
         out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)
     out = out_all[:, p:].view(b, gh, gw, h, dh)
     inference = not (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad or lam.requires_grad))

@@ -160,6 +160,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     result.update(memory.cuda_peak_call(step, device))
                 else:
                     result.update(memory.cpu_peak_call(step))
+                    if spec.get("torch_memory"):
+                        result.update(memory.torch_peak_call(step))
         if times:
             total = sum(times)
             batch = int(spec["batch"])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["cpu_peak_call", "cuda_peak_call", "status_kib", "cap_address_space", "limit_arenas"]
+__all__ = ["cpu_peak_call", "torch_peak_call", "cuda_peak_call", "status_kib", "cap_address_space", "limit_arenas"]
 
 _M_TRIM_THRESHOLD = -1
 _M_ARENA_MAX = -8
@@ -87,6 +87,31 @@ def cpu_peak_call(fn: Callable[[], object]) -> dict[str, float | str]:
         "baseline_mib": rss / 1024,
         "memory_method": "ru_maxrss (clear_refs unavailable: a lower bound, blurred by earlier peaks)",
     }
+
+
+def torch_peak_call(fn: Callable[[], object]) -> dict[str, float | None]:
+    """Run ``fn()`` once under ``torch.profiler`` (``profile_memory=True``) and return ``torch_peak_mib``: the
+    highest total of PyTorch's CPU allocations during the call, above what was allocated before it.
+
+    The allocator's view: it sees every tensor but nothing allocated outside PyTorch (BLAS packing buffers, the C
+    heap's fragmentation), which the resident-memory figure of ``cpu_peak_call`` includes. ``None`` when the profiler
+    returns no allocation events.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = sorted(
+        (ev.start_ns(), ev.nbytes()) for ev in prof.profiler.kineto_results.events() if ev.name() == "[memory]"
+    )
+    if not events:
+        return {"torch_peak_mib": None}
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return {"torch_peak_mib": peak / _MIB}
 
 
 def cuda_peak_call(fn: Callable[[], object], device: torch.device) -> dict[str, float | str]:

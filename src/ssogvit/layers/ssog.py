@@ -57,7 +57,8 @@ class SSoGAttention(nn.Module):
         proj_drop: dropout after the output projection.
         impl: fixed-field contraction, one of ``SSOG_IMPLS`` (``"auto"``: the fused Triton kernel on CUDA when Triton
             imports; ``"triton"`` fails at call time on a CPU tensor, or without Triton, and says why).
-        head_chunk: heads per chunk of steered kernel tables (``None``: chosen from the problem size).
+        head_chunk: heads per chunk: of the steered kernel tables, or of the fixed field's batched matmuls in
+            inference (``None``: chosen from the problem size; see ``ops.ssog_mix``).
         cache_kernels: reuse the fixed-field kernel tables between calls while neither the parameters nor the grid
             change and no gradient is needed (inference).
     """
@@ -228,14 +229,21 @@ class SSoGAttention(nn.Module):
         if p and self.prefix_pool == "none":
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
+        # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
+        # less at the peak).
+        inplace = not (torch.is_grad_enabled() and values.requires_grad)
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
-            mixed = ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk)
+            mixed = ops.ssog_mix_steered(
+                values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk, inplace=inplace
+            )
             del mu, sigma, lam
         else:
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
-            mixed = ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl=self.impl)
+            mixed = ops.ssog_mix(
+                values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
+            )
         del values  # in inference the values are freed before the output projection allocates its result
         out = self.proj_drop(self.proj(mixed))
         if return_attn:
