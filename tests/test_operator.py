@@ -347,3 +347,70 @@ def test_default_mix_head_chunk_batches_heads_only_for_small_problems():
     assert ops.default_mix_head_chunk(196, 12, 4) == 2  # ViT-B at 224, batch 1
     assert ops.default_mix_head_chunk(ops.SMALL_MIX_TOKENS + 1, 12, 4) == 1
     assert ops.default_mix_head_chunk(100, 3, 4) == 1  # fewer heads than atoms + 2
+
+
+def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(monkeypatch):
+    """Kernel entries just above the smallest normal number, times lambda < 1, would be denormal (several times
+    slower matmuls on x86): they are flushed after folding, in the fixed and the steered paths."""
+    tiny = torch.finfo(torch.float32).tiny
+    seen = []
+    real_matmul, real_bmm = torch.matmul, torch.bmm
+
+    def spy(real):
+        def f(a, b, *args, **kw):
+            for t in (a, b):
+                seen.append(int(((t != 0) & (t.abs() < tiny)).sum()))
+            return real(a, b, *args, **kw)
+        return f
+
+    h, r, gh, gw, dh = 2, 4, 3, 4, 2
+    ky = torch.full((h, r, gh, gh), 2 * tiny)
+    ky[..., 0] = 1.0
+    kx = torch.eye(gw).expand(h, r, gw, gw).contiguous()
+    lam = torch.full((h, r), 0.25)
+    values = torch.randn(1, 1 + gh * gw, h * dh)
+    monkeypatch.setattr(torch, "matmul", spy(real_matmul))
+    monkeypatch.setattr(torch, "bmm", spy(real_bmm))
+    with torch.no_grad():
+        ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl="stacked", head_chunk=1)
+        ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl="stacked", head_chunk=2)
+
+    def near_tiny_rows(length, query, mu, sigma, tau):
+        rows = torch.full(mu.shape + (length,), 2 * tiny)
+        rows[..., 0] = 1.0
+        return rows
+
+    monkeypatch.setattr(ops, "token_axis_kernels", near_tiny_rows)
+    mu = torch.zeros(1, gh * gw, h, r, 2)
+    with torch.no_grad():
+        ops.ssog_mix_steered(values, (gh, gw), mu, mu + 1.0, torch.full((1, gh * gw, h, r), 0.25), torch.tensor(1.0))
+    assert len(seen) > 0 and sum(seen) == 0, seen
+
+
+@pytest.mark.parametrize("grid,heads,atoms,dim", [((14, 14), 12, 4, 768), ((64, 64), 12, 4, 768), ((2, 2), 192, 1, 768),
+                                                  ((5, 7), 3, 3, 12)])
+def test_default_steered_head_chunk_keeps_a_chunks_temporaries_within_a_third_of_the_activation(grid, heads, atoms, dim):
+    chunk = ops.default_head_chunk(grid, heads, atoms, dim)
+    assert 1 <= chunk <= heads
+    per_head = atoms * sum(grid) + 2 * atoms * (dim // heads)
+    assert chunk == 1 or chunk * per_head <= dim / 3
+    assert (chunk + 1) * per_head > dim / 3 or chunk == heads  # and it takes as many heads as fit
+
+
+def test_flushing_the_folded_kernels_leaves_their_gradients_intact():
+    """The flush after folding lambda changes values below 1e-38 but must not cut the gradient at those entries."""
+    tiny = torch.finfo(torch.float32).tiny
+    h, r, gh, gw, dh = 2, 4, 3, 4, 2
+    ky = torch.full((h, r, gh, gh), 2 * tiny)
+    ky[..., 0] = 1.0
+    kx = torch.rand(h, r, gw, gw)
+    lam = torch.full((h, r), 0.25)
+    values = torch.randn(1, 1 + gh * gw, h * dh)
+    grads = {}
+    for impl in ("stacked", "einsum"):
+        k = ky.clone().requires_grad_(True)
+        y = ops.ssog_mix(values, (gh, gw), k, kx, lam, impl=impl)
+        (y * torch.arange(y.numel()).view_as(y).float().sin()).sum().backward()
+        grads[impl] = k.grad
+    assert grads["stacked"][..., 1:].abs().max() > 1e-3  # a real gradient where the values were flushed
+    torch.testing.assert_close(grads["stacked"], grads["einsum"], rtol=1e-5, atol=1e-6)

@@ -68,6 +68,16 @@ def _flush_tiny(k: Tensor) -> Tensor:
     return k.masked_fill_(k < tiny, 0.0)  # inference: no second table-sized allocation
 
 
+def _flush_tiny_product(k: Tensor) -> Tensor:
+    """``_flush_tiny`` for a fresh product of (non-negative) kernels and mixture weights: lambda < 1 can push a normal
+    tail entry below the smallest normal number again. The gradient passes through unchanged (the flushed values are
+    below 1e-38, the gradient at them is not), so the result's gradients match the unflushed product's exactly."""
+    tiny = torch.finfo(k.dtype).tiny
+    if torch.is_grad_enabled() and k.requires_grad:
+        return k - k.masked_fill(k >= tiny, 0.0).detach()
+    return k.masked_fill_(k < tiny, 0.0)
+
+
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
     """Row-softmax Gaussian kernels along one grid axis.
 
@@ -177,7 +187,7 @@ def ssog_mix(
         return ssog_mix_triton(values, grid, ky, kx, lam)
     if impl in ("auto", "stacked"):
         h, r = lam.shape
-        ky_fold = (ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # cols (jy, atom)
+        ky_fold = _flush_tiny_product(ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)
         kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
         if grad_needed:
             return _StackedMix.apply(values, ky_fold, kx_stack, gh, gw)
@@ -408,7 +418,10 @@ def ssog_mix_steered(
             gw, ix, mu[:, :, :, hs, :, 1].permute(row).contiguous(), sigma[:, :, :, hs, :, 1].permute(row), t
         )  # (B, Gh, c, Gw, R, Gw)
         weights = lam[:, :, :, hs].permute(row)[..., None]
-        kx = (kx.mul_(weights) if inference else kx * weights).to(values.dtype)
+        kx = kx.mul_(weights) if inference else kx * weights
+        # flushed in place in training too: this table is internal, and the gradient lost at flushed entries reaches
+        # mu, sigma and lambda multiplied by a kernel value below tiny / lambda (see _flush_tiny_product)
+        kx = kx.masked_fill_(kx < torch.finfo(kx.dtype).tiny, 0.0).to(values.dtype)
         # row pass, batched over (b, iy, h): (ix, (r, k)) @ ((r, k), d)
         u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
         del u
@@ -419,7 +432,11 @@ def ssog_mix_steered(
 
 
 def default_head_chunk(grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:
-    """Heads per chunk so that one chunk's steered kernel tables stay within about a third of the activation."""
+    """Heads per steered chunk so that one chunk's temporaries stay within about a third of the activation.
+
+    Per token and head a chunk holds its kernel tables (``R * (Gh + Gw)`` entries) and, while the column pass's
+    result is re-laid out for the row pass, two copies of it (``2 * R * dh``). At ViT widths that is one head at a time.
+    """
     gh, gw = grid
-    per_head = atoms * (gh + gw)  # kernel entries per token and head
+    per_head = atoms * (gh + gw) + 2 * atoms * (dim // heads)
     return max(1, min(heads, dim // (3 * per_head)))
