@@ -124,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("targets", help="issue 6's performance targets at ViT-B width: each a row, target beside "
                                        "measurement (mixer, steered mixer, whole model, training step, matmul peak)")
     t.add_argument("--train-res", type=int, nargs="+", default=[384, 768], help="resolutions of the training step")
+    t.add_argument("--from-json", default=None, metavar="RESULTS.json",
+                   help="evaluate the targets again from a saved run's results instead of running anything")
     _add_run_options(t)
     t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS), out="bench-results")
 
@@ -277,29 +279,43 @@ def _flops(args: argparse.Namespace) -> int:
 
 
 def _targets(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path, command_line: str) -> int:
-    from ssogvit.bench.runner import machine_info, run_sweep, write_results
+    from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
     from ssogvit.bench.targets import evaluate_targets, format_targets, target_points
 
+    if args.from_json:
+        meta, rows = read_results(args.from_json)
+        meta = dict(meta, loadavg_end=meta.get("loadavg_end", meta.get("loadavg")))
+        command_line = meta.get("command", command_line)
+        return _write_targets(rows, meta, device, out, name, command_line, meta.get("repeats", args.repeats),
+                              meta.get("repeat_below_ms", args.repeat_below_ms))
     common = {k: v for k, v in common.items() if k != "mode"}
     if device == "cpu" and not args.no_memory:
         common["torch_memory"] = True  # PyTorch's allocation peak beside the resident one
     points = target_points(resolutions=args.res, batches=args.batch or [1, 8], train_resolutions=args.train_res,
                            **common)
-    meta = machine_info(device) | {"command": command_line, "points": len(points)}
+    meta = machine_info(device) | {"command": command_line, "points": len(points), "repeats": args.repeats,
+                                   "repeat_below_ms": args.repeat_below_ms}
     rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
                      repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
     meta["loadavg_end"] = machine_info(device)["loadavg"]
     write_results(rows, meta, out, name)
+    return _write_targets(rows, meta, device, out, name, command_line, args.repeats, args.repeat_below_ms)
+
+
+def _write_targets(rows, meta, device, out: Path, name: str, command_line: str, repeats: int, repeat_below_ms) -> int:
+    from ssogvit.bench.targets import evaluate_targets, format_targets
+
     targets = evaluate_targets(rows)
     (out / f"{name}_rows.json").write_text(json.dumps(targets, indent=1) + "\n")
     header = (f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
               f"{device}, load average {meta['loadavg']} -> {meta['loadavg_end']}, ssogvit "
               f"{meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
-    if args.repeats > 1:
-        below = f" whose first median was below {args.repeat_below_ms:g} ms" if args.repeat_below_ms else ""
-        header += (f"# each point ran in {args.repeats} fresh processes{below}; it keeps its lowest median time and "
+    if repeats > 1:
+        below = f" whose first median was below {repeat_below_ms:g} ms" if repeat_below_ms else ""
+        header += (f"# each point ran in {repeats} fresh processes{below}; it keeps its lowest median time and "
                    "its lowest peak memory\n")
     _write_table(header + "\n" + format_targets(targets), out, f"{name}_table")
     missed = [r for r in targets if r["met"] is False]
-    print(f"\n{sum(r['met'] is True for r in targets)} targets met, {len(missed)} missed; wrote {out / (name + '.json')}")
+    print(f"\n{sum(r['met'] is True for r in targets)} targets met, {len(missed)} missed; wrote "
+          f"{out / (name + '_table.md')}")
     return 0

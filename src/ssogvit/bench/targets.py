@@ -123,15 +123,18 @@ def evaluate_targets(rows: Sequence[dict]) -> list[dict]:
                 ratio = s["peak_mib"] / a["peak_mib"]
                 out.append(_row("mixer peak memory <= 0.75x fused attention", f"res {res}, batch {batch}", "<= 0.75x",
                                 ratio, ratio <= 0.75, f"{s['peak_mib']:.1f} vs {a['peak_mib']:.1f} MiB" + _torch_note(s, a)))
-    for batch in op_batches:
-        for label in ("mha", "ssog", "ssog-steered"):
-            pts = [(r["tokens"], r["peak_mib"]) for r in rows if r.get("kind") == "operator" and r.get("label") == label
-                   and r.get("batch") == batch and r.get("status") == "ok" and r.get("peak_mib")]
-            if len(pts) >= 2:
-                fit = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
-                goal = "<= 1.05" if label == "ssog" else "(reported)"
-                out.append(_row("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", goal, fit.exponent,
-                                fit.exponent <= 1.05 if label == "ssog" else None, f"fit over {len(pts)} points"))
+    for metric, what in (("peak_mib", "resident"), ("torch_peak_mib", "PyTorch allocations")):
+        for batch in op_batches:
+            for label in ("mha", "ssog", "ssog-steered"):
+                pts = [(r["tokens"], r[metric]) for r in rows if r.get("kind") == "operator"
+                       and r.get("label") == label and r.get("batch") == batch and r.get("status") == "ok"
+                       and r.get(metric)]
+                if len(pts) >= 2:
+                    fit = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
+                    goal = "<= 1.05" if label == "ssog" else "(reported)"
+                    out.append(_row(f"memory exponent k (memory ~ N^k, {what})", f"{label}, batch {batch}", goal,
+                                    fit.exponent, fit.exponent <= 1.05 if label == "ssog" else None,
+                                    f"fit over {len(pts)} points"))
     model_res = sorted({r["res"] for r in rows if r.get("kind") == "model" and r.get("mode") == "inference"})
     for res in model_res:
         batch = next((r["batch"] for r in rows if r.get("kind") == "model" and r.get("res") == res), 1)
@@ -177,7 +180,7 @@ def evaluate_targets(rows: Sequence[dict]) -> list[dict]:
             if f and st and f.get("peak_mib") and st.get("peak_mib") is not None:
                 ratio = st["peak_mib"] / f["peak_mib"]
                 out.append(_row("steered peak memory / fixed", f"res {res}, batch {batch}", "<= 1.50x", ratio,
-                                ratio <= 1.5))
+                                ratio <= 1.5, _torch_note(st, f).removeprefix("; ")))
     mm = next((r for r in rows if r.get("kind") == "matmul" and r.get("status") == "ok"), None)
     for batch in op_batches:
         s = get("operator", "ssog", 1024, batch)
