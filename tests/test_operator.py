@@ -279,7 +279,8 @@ def _fixed_problem(b, grid, prefix, heads=3, atoms=3, dh=4, seed=0):
     ky, kx, lam = m._fixed_kernels(grid, torch.float64)
     values = torch.randn(b, prefix + gh * gw, heads * dh, generator=g, **F64)
     a = reference.with_prefix(reference.dense_fixed_matrix(m.mu, m.sigma(), m.mixture(), m.tau(), grid), prefix)
-    return values, ky.detach(), kx.detach(), lam.detach(), reference.dense_mix(a.unsqueeze(0).expand(b, -1, -1, -1), values)
+    y_ref = reference.dense_mix(a.unsqueeze(0).expand(b, -1, -1, -1), values)
+    return values, ky.detach(), kx.detach(), lam.detach(), y_ref
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -389,7 +390,7 @@ def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(mo
 
 @pytest.mark.parametrize("grid,heads,atoms,dim", [((14, 14), 12, 4, 768), ((64, 64), 12, 4, 768), ((2, 2), 192, 1, 768),
                                                   ((5, 7), 3, 3, 12)])
-def test_default_steered_head_chunk_keeps_a_chunks_temporaries_within_a_third_of_the_activation(grid, heads, atoms, dim):
+def test_default_steered_head_chunk_keeps_temporaries_within_a_third_of_the_activation(grid, heads, atoms, dim):
     chunk = ops.default_head_chunk(grid, heads, atoms, dim)
     assert 1 <= chunk <= heads
     per_head = atoms * sum(grid) + 2 * atoms * (dim // heads)

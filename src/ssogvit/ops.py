@@ -203,9 +203,9 @@ def ssog_mix(
 
 
 #: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
-#: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md: mixing at 224,
-#: batch 1 takes 0.70x the per-head time with chunks of 2 heads, at 384 0.80x; from 512 or batch 4 on the
-#: per-head form is as fast or faster).
+#: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width, mixing
+#: alone: chunks of 2 heads take 0.70x the per-head time at 224 batch 1, 0.79x at 224 batch 2, 0.80x at 384 batch 1;
+#: at 224 batch 4 and 384 batch 2 no gain; at 512 batch 1 two measurements disagreed, so the rule stops below it).
 SMALL_MIX_TOKENS = 640
 
 
@@ -394,7 +394,9 @@ def ssog_mix_steered(
     lam = lam.reshape(b, gh, gw, h, r)
     chunk = h if head_chunk is None else max(1, int(head_chunk))
     if inplace and torch.is_grad_enabled() and values.requires_grad:
-        raise ValueError("ssog_mix_steered(inplace=True) overwrites the values, which autograd needs: use it without grad")
+        raise ValueError(
+            "ssog_mix_steered(inplace=True) overwrites the values, which autograd needs: use it without grad"
+        )
     out_all = values if inplace else values.new_empty(b, t, d)
     if p:  # before any patch row is overwritten
         out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)

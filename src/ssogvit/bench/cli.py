@@ -280,14 +280,14 @@ def _flops(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path, command_line: str) -> int:
     from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
-    from ssogvit.bench.targets import evaluate_targets, format_targets, target_points
+    from ssogvit.bench.targets import target_points
 
     if args.from_json:
         meta, rows = read_results(args.from_json)
-        meta = dict(meta, loadavg_end=meta.get("loadavg_end", meta.get("loadavg")))
-        command_line = meta.get("command", command_line)
-        return _write_targets(rows, meta, device, out, name, command_line, meta.get("repeats", args.repeats),
-                              meta.get("repeat_below_ms", args.repeat_below_ms))
+        # files written before repeats were recorded take them from the command line
+        meta = {"loadavg_end": meta.get("loadavg"), "command": command_line, "repeats": args.repeats,
+                "repeat_below_ms": args.repeat_below_ms} | meta
+        return _write_targets(rows, meta, device, out, name)
     common = {k: v for k, v in common.items() if k != "mode"}
     if device == "cpu" and not args.no_memory:
         common["torch_memory"] = True  # PyTorch's allocation peak beside the resident one
@@ -299,15 +299,16 @@ def _targets(args: argparse.Namespace, device: str, common: dict[str, Any], name
                      repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
     meta["loadavg_end"] = machine_info(device)["loadavg"]
     write_results(rows, meta, out, name)
-    return _write_targets(rows, meta, device, out, name, command_line, args.repeats, args.repeat_below_ms)
+    return _write_targets(rows, meta, device, out, name)
 
 
-def _write_targets(rows, meta, device, out: Path, name: str, command_line: str, repeats: int, repeat_below_ms) -> int:
+def _write_targets(rows: list[dict], meta: dict, device: str, out: Path, name: str) -> int:
     from ssogvit.bench.targets import evaluate_targets, format_targets
 
     targets = evaluate_targets(rows)
     (out / f"{name}_rows.json").write_text(json.dumps(targets, indent=1) + "\n")
-    header = (f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
+    repeats, repeat_below_ms = meta.get("repeats", 1), meta.get("repeat_below_ms")
+    header = (f"# {meta['command']}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
               f"{device}, load average {meta['loadavg']} -> {meta['loadavg_end']}, ssogvit "
               f"{meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
     if repeats > 1:

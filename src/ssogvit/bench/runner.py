@@ -32,8 +32,8 @@ __all__ = ["run_point", "run_sweep", "merge_repeat", "machine_info", "write_resu
 CSV_FIELDS = [
     "kind", "label", "family", "size", "mixer", "res", "grid", "tokens", "batch", "mode", "device", "dtype",
     "threads", "warmup", "iters", "status", "time_ms_mean", "time_ms_median", "time_ms_min", "time_ms_std",
-    "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "gflops_per_image", "achieved_gflops_per_s",
-    "params", "mem_cap_mib", "memory_method", "load_before", "wall_s", "error",
+    "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "gflops_per_image",
+    "achieved_gflops_per_s", "params", "mem_cap_mib", "memory_method", "load_before", "wall_s", "error",
 ]
 
 
@@ -259,6 +259,8 @@ def run_sweep(
 
 _TIME_FIELDS = ("time_ms_mean", "time_ms_median", "time_ms_min", "time_ms_std", "images_per_s",
                 "achieved_gflops_per_s", "load_before", "wall_s")
+#: Each peak-memory measure and the fields taken with it from the repeat where it is lowest.
+_PEAK_FIELDS = {"peak_mib": ("peak_mib", "baseline_mib", "peak_total_mib"), "torch_peak_mib": ("torch_peak_mib",)}
 
 
 def merge_repeat(best: dict, new: dict) -> dict:
@@ -274,16 +276,11 @@ def merge_repeat(best: dict, new: dict) -> dict:
     out["repeat_peaks_mib"] = out["repeat_peaks_mib"] + [new.get("peak_mib")]
     if new["time_ms_median"] < out["time_ms_median"]:
         out.update({k: new[k] for k in _TIME_FIELDS if k in new})
-    if isinstance(new.get("peak_mib"), int | float) and (
-        not isinstance(out.get("peak_mib"), int | float) or new["peak_mib"] < out["peak_mib"]
-    ):
-        for k in ("peak_mib", "baseline_mib", "peak_total_mib"):
-            if k in new:
-                out[k] = new[k]
-    if isinstance(new.get("torch_peak_mib"), int | float) and (
-        not isinstance(out.get("torch_peak_mib"), int | float) or new["torch_peak_mib"] < out["torch_peak_mib"]
-    ):
-        out["torch_peak_mib"] = new["torch_peak_mib"]
+    for key, fields in _PEAK_FIELDS.items():
+        if isinstance(new.get(key), int | float) and (
+            not isinstance(out.get(key), int | float) or new[key] < out[key]
+        ):
+            out.update({k: new[k] for k in fields if k in new})
     out["repeats"] = len(out["repeat_medians_ms"])
     return out
 
