@@ -58,14 +58,19 @@ class TimmSSoGAttention(SSoGAttention):
         is_causal: bool = False,
         *,
         grid: tuple[int, int] | None = None,
-        return_attn: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         if attn_mask is not None or is_causal:
             raise ValueError("SSoG mixes by relative grid position and takes no attention mask or causal flag")
+        return super().forward(x, self._grid(grid))
+
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:  # type: ignore[override]
+        return super().attention_matrix(x, self._grid(grid))
+
+    def _grid(self, grid: tuple[int, int] | None) -> tuple[int, int]:
         grid = grid if grid is not None else self._grid_tracker.grid
         if grid is None:
             raise ValueError("no patch grid recorded yet: run the timm model's forward (or pass grid=(Gh, Gw))")
-        return super().forward(x, grid, return_attn=return_attn)
+        return grid
 
 
 def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True, **options: Any) -> nn.Module:

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.models.maps import record_attention
+
 from ._common import is_ssog, mixer_rows
 from .atoms import effective_atoms
 
@@ -108,7 +110,8 @@ def query_field_maps(
     qy, qx = query if query is not None else (grid[0] // 2, grid[1] // 2)
     if not (0 <= qy < grid[0] and 0 <= qx < grid[1]):
         raise ValueError(f"query {(qy, qx)} is outside the grid {grid}")
-    _, maps = model.forward_features(image[None], return_attn=True)
+    with record_attention(model) as maps:
+        model.forward_features(image[None])
     prefix = int(model.num_prefix_tokens)
     q = prefix + qy * grid[1] + qx
     return [m[0, :, q, prefix:].mean(0).reshape(grid).float().cpu() for m in maps], (qy, qx)

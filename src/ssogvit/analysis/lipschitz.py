@@ -203,7 +203,7 @@ def local_lipschitz_growth(
             x = r * x / x.norm(dim=-1, keepdim=True)
             local.append(jacobian_spectral_norm(fn, x, iters=iters, rtol=1e-4, generator=gen))
             with torch.no_grad():
-                _, attn = mixer64(x, grid=grid, return_attn=True)
+                attn = mixer64.attention_matrix(x, grid)
             frozen.append(_frozen_bound(attn, mixer64))
         rows.append({"radius": float(r), "local_max": max(local), "local_mean": sum(local) / len(local),
                      "frozen_bound_max": max(frozen)})

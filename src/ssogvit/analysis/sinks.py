@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ssogvit.models.maps import record_attention
+
 HIGH_NORM_FACTOR = 3.0
 
 
@@ -154,7 +156,8 @@ def sink_report(model, images: Tensor, *, batch_size: int = 32) -> dict:
     model.eval()
     batches = []
     for i in range(0, len(images), batch_size):
-        tokens, maps = model.forward_features(images[i: i + batch_size], return_attn=True, pre_norm=True)
+        with record_attention(model) as maps:
+            tokens = model.forward_features(images[i: i + batch_size], pre_norm=True)
         batches.append(per_image_sink_stats(maps, tokens, int(model.num_prefix_tokens)))
     return summarize_sink_stats(concat_sink_stats(batches))
 

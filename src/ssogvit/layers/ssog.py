@@ -31,6 +31,11 @@ def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(p for p in STEER_PATHS if p in steer)
 
 
+def _tracing() -> bool:
+    """Under ``torch.jit.trace``, ``torch.export`` or ``torch.compile``: no in-place fast path, no kernel cache."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 class SSoGAttention(nn.Module):
     """Separable sum-of-Gaussians token mixer.
 
@@ -168,7 +173,7 @@ class SSoGAttention(nn.Module):
         return ky, kx
 
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        use_cache = self.cache_kernels and not torch.is_grad_enabled()
+        use_cache = self.cache_kernels and not torch.is_grad_enabled() and not _tracing()
         if use_cache:
             params = (self.mu, self.rho, self.ell, self.theta)
             key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
@@ -209,15 +214,13 @@ class SSoGAttention(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
-    def forward(
-        self, x: Tensor, grid: tuple[int, int] | None = None, *, return_attn: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Mix tokens.
+    def forward(self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None) -> Tensor:
+        """Mix tokens. The dense matrix this applies is ``attention_matrix(x, grid)`` (diagnostics).
 
         Args:
             x: ``(B, P + Gh*Gw, D)``, prefix tokens first, patches in raster order.
             grid: ``(Gh, Gw)``, required.
-            return_attn: also return the dense ``(B, H, T, T)`` mixing matrix (slow; diagnostics only).
+            num_prefix_tokens: ``P`` when the caller knows it (a token count other than ``P + Gh*Gw`` is an error).
         """
         if x.ndim != 3:
             raise ValueError(f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
@@ -226,12 +229,15 @@ class SSoGAttention(nn.Module):
         if grid is None:
             raise ValueError("SSoGAttention needs the patch grid: call attn(x, grid=(Gh, Gw))")
         gh, gw, p = ops.check_grid(x.shape[1], grid)
+        if num_prefix_tokens is not None and p != num_prefix_tokens:
+            raise ValueError(f"expected {num_prefix_tokens} + {gh}*{gw} tokens for grid {(gh, gw)}, got {x.shape[1]}")
         if p and self.prefix_pool == "none":
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
-        # less at the peak).
-        inplace = not (torch.is_grad_enabled() and values.requires_grad)
+        # less at the peak). Never while tracing or exporting: a traced graph does not keep the in-place writes'
+        # aliasing (the TorchScript-based ONNX export got wrong logits from it).
+        inplace = not (torch.is_grad_enabled() and values.requires_grad) and not _tracing()
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
@@ -245,10 +251,7 @@ class SSoGAttention(nn.Module):
                 values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
             )
         del values  # in inference the values are freed before the output projection allocates its result
-        out = self.proj_drop(self.proj(mixed))
-        if return_attn:
-            return out, self.attention_matrix(x, (gh, gw))
-        return out
+        return self.proj_drop(self.proj(mixed))
 
     def attention_matrix(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """The dense mixing matrix ``(B, H, T, T)`` this mixer applies to ``x`` (built by ``ssogvit.reference``)."""

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import json
 import sys
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
-from timm.models import register_model
+from safetensors import safe_open
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from torch import nn
 
 from ssogvit.layers import list_mixers, mixer_options
@@ -22,7 +27,9 @@ from .looped import LoopedViT
 from .ode import ODEViT
 from .vit import VisionTransformer
 
-__all__ = ["FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "timm_name"]
+__all__ = [
+    "FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "pretrained_cfg", "timm_name",
+]
 
 #: family name -> model class
 FAMILIES: dict[str, type[VisionTransformerBase]] = {"vit": VisionTransformer, "looped": LoopedViT, "ode": ODEViT}
@@ -88,7 +95,9 @@ def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
                 f"{name}: unknown option {key!r} ({where}). Options of the {family} family: {own}; "
                 f"options of mixer {mixer!r}: {valid_mixer}"
             )
-    return FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
+    model = FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
+    model.pretrained_cfg = model.default_cfg = pretrained_cfg(model)
+    return model
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -103,18 +112,69 @@ def timm_name(name: str) -> str:
     return "ssogvit_" + name.replace("-", "_")
 
 
-def _timm_entrypoint(name: str):
-    def entrypoint(
-        pretrained: bool = False, pretrained_cfg: Any = None, pretrained_cfg_overlay: Any = None,
-        cache_dir: Any = None, **kwargs: Any,
-    ) -> nn.Module:
-        if pretrained:
-            raise ValueError(f"{name}: ssogvit has no pretrained weights to download; load a checkpoint instead")
-        return create_model(name, **kwargs)
+def pretrained_cfg(model: VisionTransformerBase) -> dict[str, Any]:
+    """timm's pretrained config of a built model: its input size and classes, ImageNet mean / std, the names of its
+    first convolution and classifier."""
+    mean, std = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD) if model.in_chans == 3 else ((0.5,) * model.in_chans,) * 2
+    return dict(
+        architecture=timm_name(model.config["name"]), input_size=(model.in_chans, *model.img_size), mean=mean, std=std,
+        num_classes=model.num_classes, first_conv="patch_embed.proj", classifier="head", fixed_input_size=False,
+        interpolation="bicubic", crop_pct=1.0, license="apache-2.0",
+    )
 
-    entrypoint.__name__ = entrypoint.__qualname__ = timm_name(name)
+
+def _saved_config(file: str) -> dict[str, Any] | None:
+    """The model config in the header of an ``ssogvit`` safetensors export, if the file is one."""
+    if not str(file).endswith(".safetensors"):
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta["model_config"]) if "model_config" in meta else None
+
+
+def _timm_entrypoint(name: str):
+    tname = timm_name(name)
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if pretrained:
+            cfg = resolve_pretrained_cfg(
+                tname, pretrained_cfg=kwargs.pop("pretrained_cfg", None),
+                pretrained_cfg_overlay=kwargs.pop("pretrained_cfg_overlay", None),
+            )
+            if not (cfg.file or cfg.url or cfg.hf_hub_id or cfg.state_dict):
+                raise ValueError(
+                    f"{tname}: ssogvit has no pretrained weights to download; load your own with "
+                    "pretrained_cfg_overlay=dict(file='.../model.safetensors')"
+                )
+            saved = _saved_config(cfg.file) if cfg.file else None
+            if saved is not None:  # an ssogvit export: the weights say how the model was built
+                if saved.get("name") != name:
+                    raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
+                for key, value in saved.items():
+                    if key != "name":
+                        kwargs.setdefault(key, value)
+                img = saved.get("img_size", 224)
+                img = (img, img) if isinstance(img, int) else tuple(img)
+                cfg = replace(cfg, num_classes=saved["num_classes"], input_size=(saved.get("in_chans", 3), *img))
+            kwargs["pretrained_cfg"] = cfg
+        return build_model_with_cfg(
+            partial(create_model, name), tname, pretrained, feature_cfg=dict(feature_cls="getter"), **kwargs
+        )
+
+    entrypoint.__name__ = entrypoint.__qualname__ = tname
     entrypoint.__doc__ = f"``{name}`` from ssogvit (``ssogvit.create_model({name!r}, **kwargs)``)."
     return entrypoint
+
+
+#: timm's default pretrained configs of the registered names (no weights: ``file`` / ``url`` come as an overlay)
+default_cfgs = generate_default_cfgs({
+    timm_name(n): dict(
+        input_size=(3, 224, 224), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=1000,
+        first_conv="patch_embed.proj", classifier="head", fixed_input_size=False, interpolation="bicubic",
+        crop_pct=1.0, license="apache-2.0",
+    )
+    for n in list_models()
+})
 
 
 def _register_with_timm() -> None:

@@ -40,7 +40,7 @@ def jasmin_penalty(attn_maps: Sequence[Tensor], reduce: str = "mean") -> Tensor:
     """JaSMin regulariser over the attention maps of one forward pass.
 
     Args:
-        attn_maps: one `(B, H, T, T)` row-stochastic map per mixer application (`forward_features(..., return_attn=True)`).
+        attn_maps: one `(B, H, T, T)` row-stochastic map per mixer application (`ssogvit.models.record_attention`).
         reduce: `"mean"`: mean of the row estimates over rows, heads, maps and images (default; every row is pushed
             down a little); `"max"`: for each image the largest row estimate over all rows, heads and maps (the
             Lipschitz-relevant worst case), then the mean over images.

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssogvit.models.maps import record_attention
+
 from .losses import jasmin_penalty, topk_correct
 
 __all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
@@ -110,8 +112,8 @@ class ClassificationModule(pl.LightningModule):
         if self.mixup_fn is not None:
             x, y = self.mixup_fn(x, y)  # y: soft targets (B, C) with label smoothing folded in
         if self.jasmin_weight > 0:
-            tokens, attns = self.model.forward_features(x, return_attn=True)
-            logits = self.model.forward_head(tokens)
+            with record_attention(self.model) as attns:
+                logits = self.model(x)
         else:
             logits = self.model(x)
         if y.ndim == 2:
