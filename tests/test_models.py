@@ -237,15 +237,16 @@ def test_solvers_converge_at_their_order_and_count_their_evaluations():
 
 
 def test_adjoint_gradients_match_backpropagation():
-    direct = _small_ode(solver="rk4", depth=8)
-    adjoint = _small_ode(solver="rk4", depth=8, adjoint=True)
+    # 16 steps: at 8 the rk4 error alone is ~1e-4 of the largest gradient for some seeds (measured over seeds 0-3)
+    direct = _small_ode(solver="rk4", depth=16)
+    adjoint = _small_ode(solver="rk4", depth=16, adjoint=True)
     adjoint.load_state_dict(direct.state_dict())
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     grads = []
     for model in (direct, adjoint):
         model(x).square().sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
-    assert direct.nfe == adjoint.nfe == 32
+    assert direct.nfe == adjoint.nfe == 64
     for k, g in grads[0].items():  # the adjoint solve differs from backprop by the rk4 error, O(h^4)
         torch.testing.assert_close(grads[1][k], g, rtol=0, atol=1e-4 * float(g.abs().max()), msg=k)
 

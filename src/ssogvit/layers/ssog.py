@@ -31,11 +31,6 @@ def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(p for p in STEER_PATHS if p in steer)
 
 
-def _tracing() -> bool:
-    """Under ``torch.jit.trace``, ``torch.export`` or ``torch.compile``: no in-place fast path, no kernel cache."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
-
-
 class SSoGAttention(nn.Module):
     """Separable sum-of-Gaussians token mixer.
 
@@ -173,7 +168,7 @@ class SSoGAttention(nn.Module):
         return ky, kx
 
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        use_cache = self.cache_kernels and not torch.is_grad_enabled() and not _tracing()
+        use_cache = self.cache_kernels and not torch.is_grad_enabled() and not ops.functional_only()
         if use_cache:
             params = (self.mu, self.rho, self.ell, self.theta)
             key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
@@ -235,9 +230,8 @@ class SSoGAttention(nn.Module):
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
-        # less at the peak). Never while tracing or exporting: a traced graph does not keep the in-place writes'
-        # aliasing (the TorchScript-based ONNX export got wrong logits from it).
-        inplace = not (torch.is_grad_enabled() and values.requires_grad) and not _tracing()
+        # less at the peak). Never while tracing or exporting (``ops.functional_only``).
+        inplace = not (torch.is_grad_enabled() and values.requires_grad) and not ops.functional_only()
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
