@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "transfer": ("ssogvit.train.cli", "transfer_main", "linear probe or fine-tune a checkpoint on another dataset"),
     "list": ("ssogvit.train.cli", "list_main", "list models, mixers and experiment configs"),
     "bench": ("ssogvit.bench.cli", "main", "efficiency benchmarks: models, operator, flops"),
+    "export": ("ssogvit.export", "main", "write a checkpoint as ONNX, TorchScript or an exported program; check parity"),
     "analyze": ("ssogvit.analysis.cli", "main", "look inside a model: fields, atoms, lipschitz, sinks, steering, transfer"),
 }
 

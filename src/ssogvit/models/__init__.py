@@ -4,7 +4,7 @@ from ._common import GLOBAL_POOLS, SIZES, Block, CenterNorm, GridContext, Vision
 from .looped import Loop, LoopedViT
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
-from .registry import FAMILIES, create_model, list_models, model_options, parse_model_name, timm_name
+from .registry import FAMILIES, create_model, from_pretrained, list_models, model_options, parse_model_name, timm_name
 from .transfer import rescale_field, resize_patch_embed, resize_pos_embed
 from .vit import VisionTransformer
 
@@ -25,6 +25,7 @@ __all__ = [
     "VisionTransformer",
     "VisionTransformerBase",
     "create_model",
+    "from_pretrained",
     "list_models",
     "model_options",
     "parse_model_name",

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from functools import partial
+from pathlib import Path
 
 import torch
 from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
-from timm.models import checkpoint_seq
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import checkpoint_seq, save_for_hf
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
@@ -255,6 +257,12 @@ class VisionTransformerBase(TimmVisionTransformer):
         self.config = {"name": name, **config}
         # timm's layout gives registers a position too; ours covers the class token and the patches only
         self.pos_embed = nn.Parameter(torch.empty(1, 1 + self.patch_embed.num_patches, embed_dim))
+        mean, std = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD) if in_chans == 3 else ((0.5,) * in_chans,) * 2
+        self.pretrained_cfg = self.default_cfg = dict(  # timm's description of the model's input and head
+            architecture="ssogvit_" + name.replace("-", "_"), input_size=(in_chans, *img_size), mean=mean, std=std,
+            num_classes=num_classes, first_conv="patch_embed.proj", classifier="head", fixed_input_size=False,
+            interpolation="bicubic", crop_pct=1.0, license="apache-2.0",
+        )
 
     def _set_steps(self, blocks: nn.Module) -> None:
         """Install the family's block sequence; timm's feature_info lists one entry per block application."""
@@ -313,6 +321,24 @@ class VisionTransformerBase(TimmVisionTransformer):
         self.config["num_classes"] = num_classes
         if global_pool:
             self.config["global_pool"] = global_pool
+
+    def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the model in the Hugging Face hub layout (timm's ``save_for_hf``): ``config.json`` (architecture,
+        ``model_args`` = this model's config, pretrained config) and ``model.safetensors``.
+
+        Load it back with ``ssogvit.models.from_pretrained(save_directory)`` or
+        ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)``.
+
+        Raises:
+            FileExistsError: the folder already holds a saved model and ``overwrite`` is not set.
+        """
+        folder = Path(save_directory)
+        existing = [f for f in ("config.json", "model.safetensors") if (folder / f).exists()]
+        if existing and not overwrite:
+            raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
+        model_args = {k: v for k, v in self.config.items() if k != "name"}
+        save_for_hf(self, str(folder), model_args=model_args, safe_serialization=True)
+        return folder
 
     # -- forward ---------------------------------------------------------------------------------------------------
 

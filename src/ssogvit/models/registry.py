@@ -13,8 +13,10 @@ import json
 import sys
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import timm
 from safetensors import safe_open
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
@@ -28,7 +30,7 @@ from .ode import ODEViT
 from .vit import VisionTransformer
 
 __all__ = [
-    "FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "pretrained_cfg", "timm_name",
+    "FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "from_pretrained", "timm_name",
 ]
 
 #: family name -> model class
@@ -95,9 +97,7 @@ def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
                 f"{name}: unknown option {key!r} ({where}). Options of the {family} family: {own}; "
                 f"options of mixer {mixer!r}: {valid_mixer}"
             )
-    model = FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
-    model.pretrained_cfg = model.default_cfg = pretrained_cfg(model)
-    return model
+    return FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -112,15 +112,16 @@ def timm_name(name: str) -> str:
     return "ssogvit_" + name.replace("-", "_")
 
 
-def pretrained_cfg(model: VisionTransformerBase) -> dict[str, Any]:
-    """timm's pretrained config of a built model: its input size and classes, ImageNet mean / std, the names of its
-    first convolution and classifier."""
-    mean, std = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD) if model.in_chans == 3 else ((0.5,) * model.in_chans,) * 2
-    return dict(
-        architecture=timm_name(model.config["name"]), input_size=(model.in_chans, *model.img_size), mean=mean, std=std,
-        num_classes=model.num_classes, first_conv="patch_embed.proj", classifier="head", fixed_input_size=False,
-        interpolation="bicubic", crop_pct=1.0, license="apache-2.0",
-    )
+def from_pretrained(save_directory: str | Path, **kwargs: Any) -> VisionTransformerBase:
+    """Load a model written by ``model.save_pretrained(save_directory)`` (Hugging Face hub layout, local folder).
+
+    The same as ``timm.create_model(f"local-dir:{save_directory}", pretrained=True, **kwargs)``: ``config.json`` names
+    the architecture and its arguments, ``model.safetensors`` holds the weights.
+    """
+    folder = Path(save_directory)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{folder} is not a saved model folder: expected config.json and model.safetensors")
+    return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs)
 
 
 def _saved_config(file: str) -> dict[str, Any] | None:
