@@ -49,13 +49,19 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(
-        self, x: Tensor, grid: tuple[int, int] | None = None, *, return_attn: bool = False
+        self,
+        x: Tensor,
+        grid: tuple[int, int] | None = None,
+        *,
+        num_prefix_tokens: int | None = None,
+        return_attn: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend over all tokens. ``grid`` is checked against the token count but not otherwise used.
 
         Args:
             x: ``(B, T, D)``.
             grid: ``(Gh, Gw)`` of the patch tokens, optional.
+            num_prefix_tokens: ``P``, checked with ``grid``: ``T`` must then be ``P + Gh*Gw``.
             return_attn: also return the ``(B, H, T, T)`` attention matrix (explicit path, diagnostics only).
         """
         if x.ndim != 3:
@@ -63,7 +69,7 @@ class Attention(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is not None:
-            ops.check_grid(x.shape[1], grid)
+            ops.check_grid(x.shape[1], grid, num_prefix_tokens)
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
         attn = None

@@ -56,11 +56,13 @@ class CenterNorm(nn.Module):
         return (self.dim / (self.dim - 1)) * centred * self.weight + self.bias
 
 
-def _call_mixer(mixer: nn.Module, x: Tensor, grid: tuple[int, int], return_attn: bool) -> tuple[Tensor, Tensor | None]:
+def _call_mixer(
+    mixer: nn.Module, x: Tensor, grid: tuple[int, int], num_prefix_tokens: int, return_attn: bool
+) -> tuple[Tensor, Tensor | None]:
     if return_attn:
-        y, attn = mixer(x, grid=grid, return_attn=True)
+        y, attn = mixer(x, grid=grid, num_prefix_tokens=num_prefix_tokens, return_attn=True)
         return y, attn
-    return mixer(x, grid=grid), None
+    return mixer(x, grid=grid, num_prefix_tokens=num_prefix_tokens), None
 
 
 class Block(nn.Module):
@@ -80,6 +82,8 @@ class Block(nn.Module):
         mlp_ratio: MLP hidden width over ``D``.
         drop_path: stochastic-depth rate of both residual branches.
         norm_layer: builds a norm from ``D``.
+        num_prefix_tokens: class and register tokens in front of the patches; passed to the mixer, so that a grid
+            that does not match the tokens is an error.
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class Block(nn.Module):
         mlp_ratio: float = 4.0,
         drop_path: float = 0.0,
         norm_layer: Callable[[int], nn.Module] = layer_norm,
+        num_prefix_tokens: int = 1,
     ) -> None:
         super().__init__()
+        self.num_prefix_tokens = num_prefix_tokens
         self.norm1 = norm_layer(dim)
         self.attn = create_mixer(mixer, dim, num_heads, **(mixer_options or {}))
         self.norm2 = norm_layer(dim)
@@ -108,7 +114,7 @@ class Block(nn.Module):
 
     def forward(self, z: Tensor, grid: tuple[int, int], *, return_attn: bool = False) -> tuple[Tensor, Tensor | None]:
         """Residual block; returns ``(z, attn)`` with ``attn`` ``None`` unless ``return_attn``."""
-        y, attn = _call_mixer(self.attn, self.norm1(z), grid, return_attn)
+        y, attn = _call_mixer(self.attn, self.norm1(z), grid, self.num_prefix_tokens, return_attn)
         z = z + self.drop_path1(y)
         z = z + self.drop_path2(self.mlp(self.norm2(z)))
         return z, attn
@@ -117,7 +123,7 @@ class Block(nn.Module):
         self, z: Tensor, grid: tuple[int, int], *, return_attn: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Parallel form ``Mixer(N1(z)) + MLP(N2(z))``; returns ``(f, attn)``."""
-        y, attn = _call_mixer(self.attn, self.norm1(z), grid, return_attn)
+        y, attn = _call_mixer(self.attn, self.norm1(z), grid, self.num_prefix_tokens, return_attn)
         return y + self.mlp(self.norm2(z)), attn
 
 
@@ -221,7 +227,8 @@ class VisionTransformerBase(nn.Module):
     def _make_block(self, **kwargs: Any) -> Block:
         try:
             return Block(
-                self.embed_dim, self.num_heads, mixer=self.mixer_name, mixer_options=self.mixer_options, **kwargs
+                self.embed_dim, self.num_heads, mixer=self.mixer_name, mixer_options=self.mixer_options,
+                num_prefix_tokens=self.num_prefix_tokens, **kwargs
             )
         except (TypeError, ValueError) as err:
             raise ValueError(
