@@ -78,9 +78,10 @@ def test_kernels_are_built_in_float32_for_half_precision_fields():
     mu = torch.tensor([300.25], dtype=torch.bfloat16)
     k = ops.axis_kernels(600, mu, torch.ones(1, dtype=torch.bfloat16), torch.tensor(1.0, dtype=torch.bfloat16))
     assert k.dtype == torch.float32
-    want = ops.axis_kernels(600, mu.double(), torch.ones(1, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    one = torch.ones(1, dtype=torch.float64)
+    want = ops.axis_kernels(600, mu.double(), one, one[0])
     torch.testing.assert_close(k.double(), want, rtol=0, atol=1e-6)
-    assert ops.axis_kernels(4, mu.double(), torch.ones(1, dtype=torch.float64), torch.tensor(1.0)).dtype == torch.float64
+    assert ops.axis_kernels(4, mu.double(), one, torch.tensor(1.0)).dtype == torch.float64
 
 
 # -- ssogify: faithful or refused ------------------------------------------------------------------------------------

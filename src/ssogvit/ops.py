@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 #: Implementations of the fixed separable contraction. ``"auto"`` picks one by problem size.
-#: ``"triton"``: the fused kernel of ``ssogvit.kernels`` (CUDA; ``"auto"`` picks it on CUDA tensors when Triton imports).
+#: ``"triton"``: the fused kernel of ``ssogvit.kernels`` (CUDA; ``"auto"`` picks it in half precision, and in float32
+#: with TF32 on, when Triton imports and the kernel passed its probe on the device).
 SSOG_IMPLS = ("auto", "stacked", "loop", "einsum", "triton")
 
 
@@ -43,7 +44,9 @@ def _grid_side(g: object) -> int:
     return operator.index(g)  # ints, numpy ints and integer tensors; 4.9 or 4.0 is an error, never truncated
 
 
-def check_grid(num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None) -> tuple[int, int, int]:
+def check_grid(
+    num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None
+) -> tuple[int, int, int]:
     """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``.
 
     Args:
@@ -198,7 +201,8 @@ def ssog_mix(
             a custom autograd function that saves only the values and recomputes the rest: the default),
             ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
             ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
-            CUDA tensors when Triton imports and the kernel's tiles fit the device).
+            CUDA tensors in float16 or bfloat16, and in float32 where TF32 is on, when Triton imports, the kernel
+            passed its probe on the device and its tiles fit; ``"stacked"`` otherwise).
         inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them).
             ``"stacked"`` then writes its result into ``values``' buffer, one activation-sized buffer less: each
             head's values are read for the last time before its result is written. The other implementations
@@ -291,9 +295,9 @@ def _stacked_forward(
 
 
 def _triton_ready(values: Tensor, grid: tuple[int, int], atoms: int) -> bool:
-    from ssogvit.kernels import triton_usable
+    from ssogvit.kernels.triton_ssog import auto_picks_triton
 
-    return triton_usable(values, grid, atoms)  # Triton imports, and the kernel's tiles fit the device
+    return auto_picks_triton(values, grid, atoms)  # dtype rule, Triton imports, probe passed, tiles fit the device
 
 
 def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
