@@ -160,6 +160,36 @@ ops.ssog_mix(v, (3, 4), ky, kx, lam, impl="triton")
 out["dispatch"] = {"auto_cpu_calls": auto_calls, "triton_calls": len(calls) - auto_calls}
 triton_ssog._TritonMix.apply = orig
 
+# double backward through the kernel raises (its values' gradient is written by the kernel, outside autograd)
+# (a gradient penalty: d/dw of |dL/dvalues|^2 with L = sum(w * mix(values)); only the prefix term of dL/dvalues
+# would be on autograd's tape, so without the guard the result is silently wrong)
+v, ky, kx, lam, w = problem((3, 4), 1, seed=6)
+v, w = v.requires_grad_(), w.requires_grad_()
+try:
+    g = torch.autograd.grad((ops.ssog_mix(v, (3, 4), ky, kx, lam, impl="triton") * w).sum(), v, create_graph=True)[0]
+    torch.autograd.grad(g.square().sum(), w)
+    out["double_backward"] = "no error"
+except RuntimeError as e:
+    out["double_backward"] = str(e)
+
+# the probe: passes on a working kernel, and a kernel that fails or computes a wrong result costs a warning and the
+# torch path, once per device
+import warnings
+probe = {"ok": triton_ssog._probe(torch.device("cpu"))}
+mod = triton_ssog._kernels()
+real_launch = mod.launch_mix
+for name, planted in (("raises", lambda *a: (_ for _ in ()).throw(RuntimeError("ptxas: unsupported"))),
+                      ("wrong", lambda src, ky, kx, lam, dst, grid: dst.zero_())):
+    triton_ssog._STATE.pop(("probe", "cpu", None))
+    mod.launch_mix = planted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe[name] = triton_ssog._probe(torch.device("cpu"))
+        probe[name + "_again"] = triton_ssog._probe(torch.device("cpu"))  # cached: no second warning
+    probe[name + "_warnings"] = [str(c.message) for c in caught]
+mod.launch_mix = real_launch
+out["probe"] = probe
+
 # bfloat16: only if the interpreter's tl.dot handles it (triton 3.8's interpreter multiplies bf16 bit patterns as
 # integers: create_dot stores bf16 as uint16 and calls np.matmul on them)
 import triton, triton.language as tl
@@ -255,6 +285,66 @@ def test_triton_bfloat16(interp_results):
                     "bf16 is checked on a GPU by scripts/gpu_check.py")
     for key in ("out", "d_values", "d_ky", "d_kx", "d_lam"):
         assert res[f"{key}_vs_f64"] < TOL["bfloat16"], (key, res)
+
+
+def test_double_backward_through_the_kernel_raises_instead_of_being_wrong(interp_results):
+    assert "is once differentiable" in interp_results["double_backward"], interp_results["double_backward"]
+
+
+def test_a_kernel_that_fails_its_probe_falls_back_with_one_warning(interp_results):
+    res = interp_results["probe"]
+    assert res["ok"] is True
+    for name, reason in (("raises", "RuntimeError: ptxas: unsupported"), ("wrong", "probe result differs")):
+        assert res[name] is False and res[name + "_again"] is False, res
+        assert len(res[name + "_warnings"]) == 1 and reason in res[name + "_warnings"][0], res
+        assert "uses the torch path" in res[name + "_warnings"][0]
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [({"matmul": "tf32"}, True), ({"matmul": "ieee"}, False), ({"global": "tf32"}, True),
+     ({"legacy": True}, True), ({"legacy": False}, False)],
+)
+def test_tf32_is_read_from_the_new_setting_first(setting, expected):
+    import torch
+
+    from ssogvit.kernels.triton_ssog import tf32_enabled
+
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.fp32_precision, torch.backends.fp32_precision)
+    try:
+        if "legacy" in setting:
+            matmul.allow_tf32 = setting["legacy"]
+        matmul.fp32_precision = setting.get("matmul", "none")
+        torch.backends.fp32_precision = setting.get("global", "none")
+        if "legacy" in setting:
+            matmul.allow_tf32 = setting["legacy"]
+        assert tf32_enabled() is expected
+    finally:
+        matmul.fp32_precision, torch.backends.fp32_precision = "none", "none"
+        matmul.allow_tf32 = False
+        matmul.fp32_precision, torch.backends.fp32_precision = before
+
+
+def test_auto_keeps_float64_and_float32_without_tf32_off_the_kernel(monkeypatch):
+    import torch
+
+    from ssogvit.kernels import triton_ssog
+
+    class FakeCuda:  # auto_picks_triton's dtype rule, on a stand-in for a CUDA tensor
+        is_cuda = True
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    monkeypatch.setattr(triton_ssog, "triton_usable", lambda t, grid, atoms: True)
+    monkeypatch.setattr(triton_ssog, "tf32_enabled", lambda: False)
+    picks = {dt: triton_ssog.auto_picks_triton(FakeCuda(dt), (14, 14), 4)
+             for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+    assert picks == {torch.float64: False, torch.float32: False, torch.float16: True, torch.bfloat16: True}
+    monkeypatch.setattr(triton_ssog, "tf32_enabled", lambda: True)
+    assert triton_ssog.auto_picks_triton(FakeCuda(torch.float32), (14, 14), 4)
+    assert not triton_ssog.auto_picks_triton(torch.zeros(1), (14, 14), 4)
 
 
 @pytest.mark.parametrize("mode", ["missing", "broken"])

@@ -10,6 +10,8 @@ The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,29 +26,61 @@ __all__ = [
     "ssog_mix_steered",
     "prefix_pool",
     "check_grid",
+    "position_dtype",
     "default_mix_head_chunk",
 ]
 
 #: Implementations of the fixed separable contraction. ``"auto"`` picks one by problem size.
-#: ``"triton"``: the fused kernel of ``ssogvit.kernels`` (CUDA; ``"auto"`` picks it on CUDA tensors when Triton imports).
+#: ``"triton"``: the fused kernel of ``ssogvit.kernels`` (CUDA; ``"auto"`` picks it in half precision, and in float32
+#: with TF32 on, when Triton imports and the kernel passed its probe on the device).
 SSOG_IMPLS = ("auto", "stacked", "loop", "einsum", "triton")
 
 
-def check_grid(num_tokens: int, grid: tuple[int, int]) -> tuple[int, int, int]:
-    """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``."""
+def _grid_side(g: object) -> int:
+    if isinstance(g, torch.SymInt):  # traced / exported with a dynamic image size
+        return g  # type: ignore[return-value]
+    if isinstance(g, bool) or not hasattr(g, "__index__"):
+        raise TypeError
+    return operator.index(g)  # ints, numpy ints and integer tensors; 4.9 or 4.0 is an error, never truncated
+
+
+def check_grid(
+    num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None
+) -> tuple[int, int, int]:
+    """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``.
+
+    Args:
+        num_tokens: ``T``, the length of the token sequence.
+        grid: ``(Gh, Gw)``, two positive integers (a float, even a whole one, is an error, never truncated).
+        num_prefix_tokens: ``P`` when the caller knows it (every model does): then ``T`` must be exactly
+            ``P + Gh * Gw``. ``None`` takes ``P = T - Gh * Gw`` (any ``P >= 0``).
+    """
     try:
-        gh, gw = (int(g) for g in grid)
+        gh, gw = (_grid_side(g) for g in grid)
     except (TypeError, ValueError):
         raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}") from None
     if gh < 1 or gw < 1:
         raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}")
     prefix = num_tokens - gh * gw
-    if prefix < 0:
+    if num_prefix_tokens is not None:
+        if prefix != num_prefix_tokens:
+            raise ValueError(
+                f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw = {num_prefix_tokens} + "
+                f"{gh}*{gw} = {num_prefix_tokens + gh * gw} tokens (P={num_prefix_tokens} prefix tokens, Gh={gh}, "
+                f"Gw={gw})"
+            )
+    elif prefix < 0:
         raise ValueError(
             f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw tokens with Gh={gh}, Gw={gw} "
             f"(Gh*Gw={gh * gw}) and P >= 0 prefix tokens"
         )
     return gh, gw, prefix
+
+
+def position_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype kernels are built in: at least float32, so that grid positions above 256 (bfloat16) or 2048
+    (float16) stay exact integers; float64 stays float64. The tables are cast to the values' dtype afterwards."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def field_sigma(rho: Tensor, sigma_min: float, eps_sigma: float) -> Tensor:
@@ -97,9 +131,11 @@ def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
         tau: temperature, broadcastable to ``S``.
 
     Returns:
-        Kernels of shape ``S + (L, L)``; each row sums to 1.
+        Kernels of shape ``S + (L, L)`` in ``position_dtype(mu.dtype)``; each row sums to 1.
     """
-    pos = torch.arange(length, device=mu.device, dtype=mu.dtype)
+    dtype = position_dtype(mu.dtype)
+    mu, sigma, tau = mu.to(dtype), sigma.to(dtype), tau.to(dtype)
+    pos = torch.arange(length, device=mu.device, dtype=dtype)
     delta = pos[None, :] - pos[:, None]  # (L, L): source j minus query i
     scale = 2.0 * sigma.square() * tau  # S
     logits = -(delta - mu[..., None, None]).square() / scale[..., None, None]  # S + (L, L)
@@ -116,9 +152,11 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
         tau: temperature, broadcastable to ``S``.
 
     Returns:
-        Kernel rows of shape ``S + (L,)``.
+        Kernel rows of shape ``S + (L,)`` in ``position_dtype(mu.dtype)``.
     """
-    pos = torch.arange(length, device=mu.device, dtype=mu.dtype)
+    dtype = position_dtype(mu.dtype)
+    mu, sigma, tau = mu.to(dtype), sigma.to(dtype), torch.as_tensor(tau).to(dtype)
+    pos = torch.arange(length, device=mu.device, dtype=dtype)
     offset = (query + mu)[..., None]  # S + (1,)
     neg_inv = (-0.5 / (sigma.square() * tau))[..., None]  # S + (1,)
     if (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)) or functional_only():
@@ -170,7 +208,8 @@ def ssog_mix(
             a custom autograd function that saves only the values and recomputes the rest: the default),
             ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
             ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
-            CUDA tensors when Triton imports and the kernel's tiles fit the device).
+            CUDA tensors in float16 or bfloat16, and in float32 where TF32 is on, when Triton imports, the kernel
+            passed its probe on the device and its tiles fit; ``"stacked"`` otherwise).
         inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them).
             ``"stacked"`` then writes its result into ``values``' buffer, one activation-sized buffer less: each
             head's values are read for the last time before its result is written. The other implementations
@@ -267,9 +306,9 @@ def _stacked_forward(
 
 
 def _triton_ready(values: Tensor, grid: tuple[int, int], atoms: int) -> bool:
-    from ssogvit.kernels import triton_usable
+    from ssogvit.kernels.triton_ssog import auto_picks_triton
 
-    return triton_usable(values, grid, atoms)  # Triton imports, and the kernel's tiles fit the device
+    return auto_picks_triton(values, grid, atoms)  # dtype rule, Triton imports, probe passed, tiles fit the device
 
 
 def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
@@ -397,8 +436,9 @@ def ssog_mix_steered(
     tau = tau.reshape(-1)
     tau = tau.expand(h) if tau.numel() == 1 else tau
     # query indices, laid out as the kernel tables below: y rows in (b, k, h, iy, r), x rows in (b, iy, h, ix, r)
-    iy = torch.arange(gh, device=values.device, dtype=mu.dtype).view(1, 1, 1, gh, 1)
-    ix = torch.arange(gw, device=values.device, dtype=mu.dtype).view(1, 1, 1, gw, 1)
+    pos_dtype = position_dtype(mu.dtype)
+    iy = torch.arange(gh, device=values.device, dtype=pos_dtype).view(1, 1, 1, gh, 1)
+    ix = torch.arange(gw, device=values.device, dtype=pos_dtype).view(1, 1, 1, gw, 1)
     v = values[:, p:].view(b, gh, gw, h, dh)
     mu = mu.reshape(b, gh, gw, h, r, 2)
     sigma = sigma.reshape(b, gh, gw, h, r, 2)

@@ -12,14 +12,20 @@ models without a class token and ``copy.deepcopy`` (EMA) all work.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from timm.layers import Attention as TimmAttention
 from torch import Tensor, nn
 
+from ssogvit.layers.attention import Attention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
 
 __all__ = ["ssogify", "TimmSSoGAttention"]
+
+#: attention classes whose whole forward is known: qkv -> (q/k norms) -> softmax attention -> proj -> dropout
+_CARRIED_CLASSES = (TimmAttention, Attention)
 
 
 class _GridTracker:
@@ -44,12 +50,17 @@ class _GridTracker:
 class TimmSSoGAttention(SSoGAttention):
     """``SSoGAttention`` with timm's attention call ``attn(x, attn_mask=None, is_causal=False)``.
 
-    The grid comes from the patch embedding's latest forward (see ``ssogify``) unless passed explicitly.
+    The grid comes from the patch embedding's latest forward (see ``ssogify``) unless passed explicitly; the number of
+    prefix tokens is the model's, so a token count that does not fit the grid is an error.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, grid_tracker: _GridTracker, **options: Any) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, *, grid_tracker: _GridTracker, num_prefix_tokens: int | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(dim, num_heads, **options)
         self._grid_tracker = grid_tracker
+        self.num_prefix_tokens = num_prefix_tokens
 
     def forward(  # type: ignore[override]
         self,
@@ -58,10 +69,12 @@ class TimmSSoGAttention(SSoGAttention):
         is_causal: bool = False,
         *,
         grid: tuple[int, int] | None = None,
+        num_prefix_tokens: int | None = None,
     ) -> Tensor:
         if attn_mask is not None or is_causal:
             raise ValueError("SSoG mixes by relative grid position and takes no attention mask or causal flag")
-        return super().forward(x, self._grid(grid))
+        prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
+        return super().forward(x, self._grid(grid), num_prefix_tokens=prefix)
 
     def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:  # type: ignore[override]
         return super().attention_matrix(x, self._grid(grid))
@@ -73,12 +86,75 @@ class TimmSSoGAttention(SSoGAttention):
         return grid
 
 
+def _named(module: nn.Module) -> set[str]:
+    """Lower-case names of a module's own attributes, parameters, buffers and submodules (all depths)."""
+    names = {n.lower() for n in vars(module)}
+    for kind in (module.named_parameters(), module.named_buffers(), module.named_modules()):
+        names |= {part.lower() for n, _ in kind for part in n.split(".") if part}
+    return names
+
+
+def _has(module: nn.Module, *fragments: str) -> bool:
+    return any(f in n for n in _named(module) for f in fragments)
+
+
+def _cannot_carry(attn: nn.Module) -> list[str]:
+    """What an attention module computes that SSoG plus the carried ``v`` and ``proj`` would not (empty: faithful)."""
+    forward_args = set(inspect.signature(type(attn).forward).parameters)
+    problems = []
+    if "rope" in forward_args or _has(attn, "rope", "rotary"):
+        problems.append("rotary position embedding (rope)")
+    if forward_args & {"rel_pos_bias", "shared_rel_pos", "shared_rel_pos_bias"} or _has(
+        attn, "rel_pos", "relative_position"
+    ):
+        problems.append("relative position bias")
+    if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
+        problems.append("a norm inside the attention, before the output projection")
+    if getattr(attn, "q_bias", None) is not None or getattr(attn, "v_bias", None) is not None:
+        problems.append("separate q/v biases outside the qkv projection")
+    if getattr(attn, "gate", None) is not None:
+        problems.append("an output gate")
+    qkv, proj = getattr(attn, "qkv", None), getattr(attn, "proj", None)
+    if not isinstance(qkv, nn.Linear) or not isinstance(proj, nn.Linear):
+        problems.append("no fused qkv and proj linear layers")
+    elif qkv.out_features != 3 * qkv.in_features or proj.in_features != qkv.in_features or proj.out_features != (
+        qkv.in_features
+    ):
+        d = qkv.in_features
+        problems.append(
+            f"projection shapes other than qkv {d}->{3 * d}, proj {d}->{d} (got qkv {qkv.in_features}->"
+            f"{qkv.out_features}, proj {proj.in_features}->{proj.out_features})"
+        )
+    if not problems and type(attn) not in _CARRIED_CLASSES:
+        problems.append("an attention class ssogify does not know, so it cannot check what its forward computes")
+    return problems
+
+
+def _model_cannot_carry(model: nn.Module) -> list[str]:
+    problems = []
+    patch_drop = getattr(model, "patch_drop", None)
+    if patch_drop is not None and not isinstance(patch_drop, nn.Identity) and getattr(patch_drop, "prob", 1.0) > 0:
+        problems.append("patch dropout (patch_drop_rate > 0): dropped patches leave no grid to mix over")
+    if getattr(model, "rope", None) is not None:
+        problems.append("rotary position embedding (rope)")
+    if getattr(model, "rel_pos_bias", None) is not None or getattr(model, "rel_pos", None) is not None:
+        problems.append("relative position bias")
+    return problems
+
+
 def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True, **options: Any) -> nn.Module:
     """Replace the attention of every block of a timm ``VisionTransformer`` by SSoG, in place.
 
+    Only what SSoG can carry faithfully is accepted: timm's plain ``Attention`` (or ssogvit's MHA) with fused ``qkv``
+    and ``proj`` linears. The value rows of ``qkv`` and the output projection, biases included (each exactly as the
+    old layer had it, ``qkv_bias=False`` too), and the output dropout are carried over; queries and keys, and the
+    q/k norms that act on them, are dropped. Anything else that the attention or the model computes and SSoG could
+    not reproduce (rotary or relative position terms, a norm inside the attention, separate q/v biases, an output
+    gate, patch dropout, blocks without an ``attn``) is refused with a ``ValueError`` naming the block, the class and
+    what cannot be carried, before anything is changed.
+
     Args:
-        model: a built timm ``VisionTransformer`` (anything with ``patch_embed`` and ``blocks[i].attn`` holding
-            ``qkv`` and ``proj`` linears).
+        model: a built timm ``VisionTransformer`` (``patch_embed`` and ``blocks[i].attn``).
         mixer: ``"ssog"`` (fixed field) or ``"ssog-steered"`` (all three paths unless ``steer`` is given).
         copy_weights: carry the value part of ``qkv`` and the output projection over from the old attention.
         **options: ``SSoGAttention`` options (``num_atoms``, ``steer``, ``radius``, ``sigma_min``, ...).
@@ -92,23 +168,30 @@ def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True,
         options.setdefault("steer", STEER_PATHS)
     elif options.get("steer"):
         raise ValueError("mixer 'ssog' is the fixed field; use mixer='ssog-steered' to steer")
+    for carried in ("bias", "proj_bias", "proj_drop"):
+        if carried in options:
+            raise ValueError(f"ssogify carries {carried!r} over from each attention layer; do not pass it")
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise ValueError("ssogify expects a timm VisionTransformer (with .patch_embed and .blocks)")
+    problems = [f"the model: {p}" for p in _model_cannot_carry(model)]
+    for i, block in enumerate(model.blocks):
+        old = getattr(block, "attn", None)
+        if old is None:
+            problems.append(f"block {i} ({type(block).__name__}): no .attn to replace")
+        else:
+            problems += [f"block {i} ({type(old).__name__}): {p}" for p in _cannot_carry(old)]
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise ValueError(f"ssogify cannot reproduce this {type(model).__name__} faithfully: {shown}")
     tracker = _GridTracker()
     model.patch_embed.register_forward_hook(tracker)
-    replaced = 0
+    prefix = getattr(model, "num_prefix_tokens", None)
     for block in model.blocks:
-        old = getattr(block, "attn", None)
-        if old is None or not hasattr(old, "qkv") or not hasattr(old, "proj"):
-            continue
+        old = block.attn
         dim = old.qkv.in_features
-        if old.qkv.out_features != 3 * dim or old.proj.out_features != dim:
-            raise ValueError(
-                f"ssogify supports attention with qkv {dim}->{3 * dim} and proj {dim}->{dim}; got qkv "
-                f"{old.qkv.in_features}->{old.qkv.out_features}, proj {old.proj.in_features}->{old.proj.out_features}"
-            )
         new = TimmSSoGAttention(
-            dim, old.num_heads, grid_tracker=tracker, bias=old.qkv.bias is not None, **options
+            dim, old.num_heads, grid_tracker=tracker, num_prefix_tokens=prefix, bias=old.qkv.bias is not None,
+            proj_bias=old.proj.bias is not None, proj_drop=float(getattr(old.proj_drop, "p", 0.0)), **options
         ).to(device=old.qkv.weight.device, dtype=old.qkv.weight.dtype)
         if copy_weights:
             with torch.no_grad():
@@ -116,10 +199,7 @@ def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True,
                 new.proj.weight.copy_(old.proj.weight)
                 if old.qkv.bias is not None:
                     new.v.bias.copy_(old.qkv.bias[2 * dim :])
-                if old.proj.bias is not None and new.proj.bias is not None:
+                if old.proj.bias is not None:
                     new.proj.bias.copy_(old.proj.bias)
         block.attn = new
-        replaced += 1
-    if replaced == 0:
-        raise ValueError("ssogify found no attention module with qkv/proj in model.blocks")
     return model

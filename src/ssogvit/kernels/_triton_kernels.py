@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_ssog import tf32_enabled
+
 __all__ = ["launch_mix", "fits", "shared_bytes", "OVERRIDE"]
 
 #: Launch configuration forced by a tuning sweep: ``{"bd": channels per program (power of two >= 16), "warps": n}``.
@@ -143,7 +145,7 @@ def _precision(dtype: torch.dtype) -> str:
     # fp32 follows torch's matmul setting (IEEE by default, as torch.matmul); fp64 is IEEE; fp16/bf16 ignore the
     # option (Triton's default string is passed)
     if dtype == torch.float32:
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        return "tf32" if tf32_enabled() else "ieee"
     return "ieee" if dtype == torch.float64 else "tf32"
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 from torch import Tensor
 
-__all__ = ["ssog_mix_triton", "triton_available", "triton_usable", "triton_import_error"]
+__all__ = [
+    "ssog_mix_triton", "triton_available", "triton_usable", "triton_import_error", "tf32_enabled", "auto_picks_triton",
+]
 
 _STATE: dict = {}
 
@@ -51,18 +54,74 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def tf32_enabled() -> bool:
+    """Whether torch lets float32 CUDA matmuls use TF32: the newer ``fp32_precision`` settings first (the matmul one,
+    then the global one), the legacy ``allow_tf32`` flag only when both say ``"none"`` (reading the legacy flag
+    raises once a user has set the new one)."""
+    for setting in (
+        getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+        getattr(torch.backends, "fp32_precision", "none"),
+    ):
+        if setting != "none":
+            return setting == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+def _probe(device: torch.device) -> bool:
+    """Compile and run the kernel once on a tiny problem on ``device`` and compare it with the torch path; cached per
+    device. A compiler or version mismatch then costs a warning and the torch path, not a crash mid-training."""
+    key = ("probe", device.type, device.index)
+    if key not in _STATE:
+        try:
+            from ssogvit import ops
+
+            g = torch.Generator(device="cpu").manual_seed(0)
+            values = torch.randn(1, 1 + 12, 16, generator=g).to(device)
+            ky = torch.softmax(torch.randn(1, 2, 3, 3, generator=g), -1).to(device)
+            kx = torch.softmax(torch.randn(1, 2, 4, 4, generator=g), -1).to(device)
+            lam = torch.softmax(torch.randn(1, 2, generator=g), -1).to(device)
+            with torch.no_grad():
+                got = _TritonMix.apply(values, ky, kx, lam, 3, 4)
+                want = ops.ssog_mix(values, (3, 4), ky, kx, lam, impl="einsum")
+            err = float((got - want).abs().max())
+            if not err < 1e-3:
+                raise RuntimeError(f"probe result differs from the torch path by {err:.3g}")
+            _STATE[key] = None
+        except Exception as exc:  # compilation, launch or a wrong result: anything the toolchain can do
+            _STATE[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(
+                f"ssogvit: the fused Triton kernel failed its probe on {device} ({_STATE[key]}); fixed SSoG uses the "
+                f"torch path (impl='stacked') there",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _STATE[key] is None
+
+
 def triton_usable(t: Tensor, grid: tuple[int, int] | None = None, atoms: int | None = None) -> bool:
-    """Whether the Triton path can run on ``t``: a CUDA tensor (or a CPU tensor under the interpreter) and Triton.
+    """Whether the Triton path can run on ``t``: a CUDA tensor whose device passed the kernel's probe (or a CPU tensor
+    under the interpreter) and Triton.
 
     With ``grid`` and ``atoms`` also that the kernel's x-pass tiles fit the device's shared memory (for the widest
     channel block the kernel uses, so whatever the head width)."""
     if t.is_cuda:
-        ok = triton_available()
+        ok = triton_available() and _probe(t.device)
     else:
         ok = t.device.type == "cpu" and _interpreting() and triton_available()
     if ok and grid is not None and atoms is not None:
         ok = _kernels().fits(int(grid[1]), int(atoms), 64, t.dtype, t.device)
     return ok
+
+
+def auto_picks_triton(t: Tensor, grid: tuple[int, int], atoms: int) -> bool:
+    """What ``impl="auto"`` does on ``t``: the kernel for CUDA half precision, and for float32 only where TF32 is on
+    (without it the kernel's dots are plain FMAs that spill registers); float64 and CPU stay on the torch path."""
+    if not t.is_cuda or t.dtype == torch.float64 or (t.dtype == torch.float32 and not tf32_enabled()):
+        return False
+    return triton_usable(t, grid, atoms)
 
 
 def ssog_mix_triton(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
@@ -72,6 +131,9 @@ def ssog_mix_triton(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tenso
     if not triton_usable(values):
         if not triton_available():
             raise RuntimeError(f"impl='triton' needs Triton, which cannot be imported: {triton_import_error()}")
+        if values.is_cuda:
+            reason = _STATE.get(("probe", values.device.type, values.device.index))
+            raise RuntimeError(f"impl='triton': the kernel failed its probe on {values.device}: {reason}")
         raise RuntimeError(
             f"impl='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); got a {values.device} tensor"
         )
@@ -121,6 +183,11 @@ class _TritonMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the values' gradient is written by the kernel, off the tape
+            raise RuntimeError(
+                "the fused Triton SSoG kernel is once differentiable: its backward cannot be differentiated again "
+                "(create_graph=True, e.g. a gradient penalty); use impl='stacked', which can"
+            )
         values, ky, kx, lam = ctx.saved_tensors
         gh, gw = ctx.grid
         b, t, d = values.shape

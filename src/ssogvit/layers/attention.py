@@ -54,7 +54,7 @@ class Attention(nn.Module):
         Args:
             x: ``(B, T, D)``.
             grid: ``(Gh, Gw)`` of the patch tokens, optional.
-            num_prefix_tokens: ``P`` when known: with ``grid``, ``T`` must be ``P + Gh*Gw``.
+            num_prefix_tokens: ``P``, checked with ``grid``: ``T`` must then be ``P + Gh*Gw``.
         """
         q, k, v = self._qkv(x, grid, num_prefix_tokens)
         if self.fused:
@@ -78,9 +78,7 @@ class Attention(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is not None:
-            gh, gw, p = ops.check_grid(x.shape[1], grid)
-            if num_prefix_tokens is not None and p != num_prefix_tokens:
-                raise ValueError(f"expected {num_prefix_tokens} + {gh}*{gw} tokens for grid {(gh, gw)}, got {x.shape[1]}")
+            ops.check_grid(x.shape[1], grid, num_prefix_tokens)
         b, t, _ = x.shape
         return self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
 

@@ -52,7 +52,8 @@ class SSoGAttention(nn.Module):
         rho_init: initial raw width.
         theta_init: initial raw temperature.
         per_head_temperature: one temperature per head instead of one per mixer.
-        bias: bias of the value and output projections.
+        bias: bias of the value projection, and of the output projection unless ``proj_bias`` says otherwise.
+        proj_bias: bias of the output projection (``None``: as ``bias``).
         prefix_pool: ``"mean"`` (prefix tokens get the mean patch value) or ``"none"`` (no prefix tokens allowed).
         proj_drop: dropout after the output projection.
         impl: fixed-field contraction, one of ``SSOG_IMPLS`` (``"auto"``: the fused Triton kernel on CUDA when Triton
@@ -80,6 +81,7 @@ class SSoGAttention(nn.Module):
         theta_init: float = -1.0,
         per_head_temperature: bool = False,
         bias: bool = True,
+        proj_bias: bool | None = None,
         prefix_pool: str = "mean",
         proj_drop: float = 0.0,
         impl: str = "auto",
@@ -117,7 +119,7 @@ class SSoGAttention(nn.Module):
 
         h, r = num_heads, num_atoms
         self.v = nn.Linear(dim, dim, bias=bias)
-        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias if proj_bias is None else proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         self.mu = nn.Parameter(torch.randn(h, r, 2) * mu_init_std)
         self.rho = nn.Parameter(torch.full((h, r, 2), float(rho_init)))
@@ -214,8 +216,9 @@ class SSoGAttention(nn.Module):
 
         Args:
             x: ``(B, P + Gh*Gw, D)``, prefix tokens first, patches in raster order.
-            grid: ``(Gh, Gw)``, required.
-            num_prefix_tokens: ``P`` when the caller knows it (a token count other than ``P + Gh*Gw`` is an error).
+            grid: ``(Gh, Gw)``, two ints, required.
+            num_prefix_tokens: ``P``, when the caller knows it (models pass it): a token count other than
+                ``P + Gh*Gw`` is then an error, never a reinterpretation of patches as prefix tokens.
         """
         if x.ndim != 3:
             raise ValueError(f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
@@ -223,9 +226,7 @@ class SSoGAttention(nn.Module):
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is None:
             raise ValueError("SSoGAttention needs the patch grid: call attn(x, grid=(Gh, Gw))")
-        gh, gw, p = ops.check_grid(x.shape[1], grid)
-        if num_prefix_tokens is not None and p != num_prefix_tokens:
-            raise ValueError(f"expected {num_prefix_tokens} + {gh}*{gw} tokens for grid {(gh, gw)}, got {x.shape[1]}")
+        gh, gw, p = ops.check_grid(x.shape[1], grid, num_prefix_tokens)
         if p and self.prefix_pool == "none":
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
