@@ -63,6 +63,20 @@ def test_timm_vit_api(family, mixer):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_set_input_size_keeps_the_class_and_patch_position_layout(family):
+    model = tiny(family, "ssog", num_registers=2).eval()
+    x = torch.randn(2, 3, 48, 40)
+    with torch.no_grad():
+        before = model(x)  # position embedding resized on the fly
+        model.set_input_size(img_size=(48, 40))
+        assert model.pos_embed.shape == (1, 1 + 6 * 5, 192) and model.img_size == (48, 40)
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-6)
+        assert create_model(**model.config).img_size == (48, 40)
+    with pytest.raises(ValueError, match="square patches"):
+        model.set_input_size(patch_size=(4, 8))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mixer", ["ssog", "ssog-steered", "mha"])
 def test_forward_intermediates_are_block_applications(family, mixer):
     model = open_steering(tiny(family, mixer, depth=3)).eval()
@@ -177,6 +191,19 @@ def test_record_attention_gives_one_stochastic_map_per_application(family, mixer
     with torch.no_grad():
         torch.testing.assert_close(model(x), out.detach())  # hooks removed, same output
     assert not any(m._forward_hooks for m in model.mixers())
+
+
+def test_record_attention_works_on_an_ssogified_timm_vit():
+    import ssogvit
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=3, reg_tokens=1,
+                            dynamic_img_size=True)
+    ssogvit.ssogify(vit, mixer="ssog-steered")
+    with torch.no_grad(), record_attention(vit) as maps:
+        vit(torch.randn(1, 3, 32, 48))
+    t = 2 + 4 * 6
+    assert len(maps) == 2 and maps[0].shape == (1, 3, t, t)
+    torch.testing.assert_close(maps[0].sum(-1), torch.ones(1, 3, t))
 
 
 # -- weights in and out ----------------------------------------------------------------------------------------------

@@ -410,6 +410,24 @@ class VisionTransformerBase(TimmVisionTransformer):
         self.patch_size = patch_size
         self.config["patch_size"] = patch_size
 
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None) -> None:
+        """timm's: make ``img_size`` (and ``patch_size``, see ``set_patch_size``) the model's own, resizing the
+        position embedding of the class token and the patches (registers carry none) bicubically."""
+        if patch_size is not None:
+            if not isinstance(patch_size, int):
+                raise ValueError(f"ssogvit models have square patches: give patch_size as an int, got {patch_size!r}")
+            self.set_patch_size(patch_size)
+        if img_size is None:
+            return
+        old_grid = self.grid_size
+        self.patch_embed.set_input_size(img_size=_pair(img_size))
+        with torch.no_grad():
+            pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, self.grid_size, num_prefix_tokens=1)
+        self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
+        self.img_size = _pair(img_size)
+        self.config["img_size"] = self.img_size
+        self.pretrained_cfg = {**self.pretrained_cfg, "input_size": (self.in_chans, *self.img_size)}
+
     def extra_repr(self) -> str:
         return (
             f"family={self.family}, mixer={self.mixer_name}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
