@@ -279,8 +279,16 @@ def test_export_cli_writes_the_file_and_prints_its_parity(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(tmp_path / "nope.ckpt"),
                           "--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert bad.returncode == 2 and "cannot load" in bad.stderr and "Traceback" not in bad.stderr
-    strict = subprocess.run(cmd + ["--format", "exported-program", "--tolerance", "0"], capture_output=True,
-                            text=True, env=os.environ.copy())
-    assert strict.returncode in (0, 2)  # 0 only if bit-exact; else the message names the parity and the tolerance
-    if strict.returncode == 2:
-        assert "worse than the tolerance" in strict.stderr
+
+
+def test_export_cli_fails_with_exit_2_when_parity_is_worse_than_the_tolerance(tmp_path, monkeypatch, capsys):
+    import ssogvit.export
+
+    model = create_model("vit-tiny-ssog", **{**TINY, **SMALL, "depth": 1})
+    ckpt = export_safetensors(model, tmp_path / "model.safetensors")
+    monkeypatch.setattr(ssogvit.export, "parity", lambda *a, **k: 6.0)  # what the old TorchScript export measured
+    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "torchscript"]) == 2
+    err = capsys.readouterr().err
+    assert "6.000e+00 is worse than the tolerance 1e-04" in err and (tmp_path / "model.pt").is_file()
+    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "onnx", "--tolerance", "-1"]) == 2
+    assert "--tolerance must be >= 0" in capsys.readouterr().err

@@ -92,10 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Path(args.ckpt)
     out = Path(args.out) if args.out else ckpt.with_suffix(FORMATS[args.format])
     if out.exists() and not args.overwrite:
-        print(f"ssogvit export: {out} exists; pass --overwrite to replace it or --out for another file", file=sys.stderr)
+        print(f"ssogvit export: {out} exists; pass --overwrite to replace it or --out for another file",
+              file=sys.stderr)
         return 2
     if args.batch < 1:
         print(f"ssogvit export: --batch must be >= 1, got {args.batch}", file=sys.stderr)
+        return 2
+    if not args.tolerance >= 0:
+        print(f"ssogvit export: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
         return 2
     try:
         model = load_model(ckpt).float().eval()

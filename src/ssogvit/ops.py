@@ -94,10 +94,11 @@ def field_tau(theta: Tensor, tau_min: float) -> Tensor:
 
 
 def functional_only() -> bool:
-    """Under ``torch.jit.trace``, ``torch.export`` or ``torch.compile``: the inference shortcuts that write into
-    buffers (in-place ops, slice writes into a preallocated output) are not taken there, because a traced graph does
-    not keep their aliasing (the TorchScript-based ONNX export of SSoG gave logits off by up to 6 with them)."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    """Under ``torch.jit.trace`` or ``torch.export`` (the dynamo ONNX exporter included): the inference shortcuts that
+    write into buffers (in-place ops, slice writes into views of a preallocated output) are not taken there, because
+    an exported graph need not keep their aliasing (the TorchScript-based ONNX export of SSoG gave logits off by up to
+    6 with them; docs/models.md). ``torch.compile`` alone functionalises mutations itself and keeps the fast paths."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _flush_tiny(k: Tensor) -> Tensor:
@@ -450,7 +451,9 @@ def ssog_mix_steered(
         )
     functional = functional_only()  # then each chunk's result is kept and concatenated, nothing written in place
     if inplace and functional:
-        raise ValueError("ssog_mix_steered(inplace=True) cannot be traced or exported: the graph would lose the aliasing")
+        raise ValueError(
+            "ssog_mix_steered(inplace=True) cannot be traced or exported: the graph would lose the aliasing"
+        )
     out_all = values if inplace else None if functional else values.new_empty(b, t, d)
     if p and not functional:  # before any patch row is overwritten
         out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)

@@ -48,7 +48,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
+    ) -> Tensor:
         """Attend over all tokens. ``grid`` is checked against the token count but not otherwise used.
 
         Args:

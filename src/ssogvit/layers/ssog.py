@@ -211,7 +211,9 @@ class SSoGAttention(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
+    ) -> Tensor:
         """Mix tokens. The dense matrix this applies is ``attention_matrix(x, grid)`` (diagnostics).
 
         Args:

@@ -8,14 +8,13 @@ inside a block is chosen by name from the mixer registry, so an SSoG model and i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
 from timm.models import checkpoint_seq, save_for_hf
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn

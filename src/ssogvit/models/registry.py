@@ -30,7 +30,8 @@ from .ode import ODEViT
 from .vit import VisionTransformer
 
 __all__ = [
-    "FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "from_pretrained", "timm_name",
+    "FAMILIES", "SIZES", "create_model", "from_pretrained", "list_models", "model_options", "parse_model_name",
+    "timm_name",
 ]
 
 #: family name -> model class
