@@ -247,13 +247,16 @@ def test_timm_loads_our_exported_weights(family, tmp_path):
 # -- deployment ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mixer", ["ssog", "ssog-steered", "mha"])
-@pytest.mark.parametrize("fmt, dynamo", [("exported-program", True), ("onnx", True), ("onnx", False)],
-                         ids=["export", "onnx-dynamo", "onnx-torchscript"])
+@pytest.mark.parametrize(  # every family with both SSoG mixers; MHA (nothing family-specific in it) once
+    "family, mixer", [(f, m) for f in FAMILIES for m in ("ssog", "ssog-steered")] + [("vit", "mha")]
+)
+@pytest.mark.parametrize(
+    "fmt, dynamo", [("exported-program", True), ("onnx", True), ("onnx", False), ("torchscript", False)],
+    ids=["export", "onnx-dynamo", "onnx-torchscript", "torchscript"],
+)
 def test_exported_model_computes_what_the_eager_model_computes(family, mixer, fmt, dynamo, tmp_path):
     torch.manual_seed(0)
-    model = open_steering(create_model(f"{family}-tiny-{mixer}", **{**TINY, **SMALL, "depth": 2})).eval()
+    model = open_steering(create_model(f"{family}-tiny-{mixer}", **{**TINY, **SMALL, "depth": 1})).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         model(x)  # an eager call first: a cached kernel table must not leak into the graph as a stale constant
@@ -273,9 +276,6 @@ def test_export_cli_writes_the_file_and_prints_its_parity(tmp_path):
     assert diff < 1e-4
     again = subprocess.run(cmd + ["--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
-    ts = subprocess.run(cmd + ["--format", "torchscript", "--out", str(tmp_path / "m.pt")], capture_output=True,
-                        text=True, env=os.environ.copy())
-    assert ts.returncode == 0 and (tmp_path / "m.pt").is_file(), ts.stderr
     bad = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(tmp_path / "nope.ckpt"),
                           "--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert bad.returncode == 2 and "cannot load" in bad.stderr and "Traceback" not in bad.stderr

@@ -87,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
 
-    from ssogvit.train.io import CheckpointError, load_model
-
     ckpt = Path(args.ckpt)
     out = Path(args.out) if args.out else ckpt.with_suffix(FORMATS[args.format])
     if out.exists() and not args.overwrite:
@@ -101,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tolerance >= 0:
         print(f"ssogvit export: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
         return 2
+    from ssogvit.train.io import CheckpointError, load_model
+
     try:
         model = load_model(ckpt).float().eval()
     except (CheckpointError, FileNotFoundError, OSError) as err:
