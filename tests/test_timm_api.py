@@ -97,6 +97,12 @@ def test_forward_intermediates_are_block_applications(family, mixer):
         torch.testing.assert_close(maps[1].flatten(2).transpose(1, 2), final[:, 2:], rtol=0, atol=1e-6)
         kept = model.prune_intermediate_layers([1])
         assert kept == [1] and len(model.blocks) == 2 and model(x).shape == (2, 2 + 20, 192)  # no head, no pool
+        assert model.depth == model.config["depth"] == 2
+        torch.testing.assert_close(model.forward_features(x), model.norm(torch.cat(inter[1][::-1], 1)), atol=1e-5,
+                                   rtol=0)
+        twin = create_model(**model.config).eval()  # the config describes the pruned model
+        twin.load_state_dict(model.state_dict())
+        torch.testing.assert_close(twin.forward_features(x), model.forward_features(x), atol=1e-5, rtol=0)
 
 
 def test_a_looped_intermediate_is_an_iteration_and_an_ode_one_a_grid_step():

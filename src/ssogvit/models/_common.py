@@ -311,6 +311,18 @@ class VisionTransformerBase(TimmVisionTransformer):
             if p.ndim <= 1 or name in skip or name.rsplit(".", 1)[-1] in field
         }
 
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's: keep the block applications up to the last of ``indices``; ``depth`` and the config follow."""
+        take = super().prune_intermediate_layers(indices, prune_norm=prune_norm, prune_head=prune_head)
+        self._set_depth(len(self.blocks))
+        return take
+
+    def _set_depth(self, depth: int) -> None:
+        self.depth = self.config["depth"] = depth
+        self.feature_info = self.feature_info[:depth]
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """timm's: a new head for ``num_classes`` (0: none), optionally another pool (``"token"``, ``"avg"``, or
         ``""`` for none); the config follows, so ``create_model(**config)`` rebuilds the model."""

@@ -224,6 +224,16 @@ class ODEViT(VisionTransformerBase):
         )
         self.init_weights()
 
+    def _set_depth(self, depth: int) -> None:
+        # The first ``depth`` of ``total`` steps integrate to t = depth / total: the same flow as ``depth`` steps on
+        # [0, 1] with the scale multiplied by depth / total (so ``create_model(**config)`` rebuilds the pruned model).
+        self.scale = self.config["scale"] = self.scale * depth / self.blocks.total
+        self.blocks = Flow(
+            self.blocks.block, total=depth, solver=self.solver, scale=self.scale, rtol=self.rtol, atol=self.atol,
+            adjoint=self.adjoint,
+        )
+        super()._set_depth(depth)
+
     @property
     def nfe(self) -> int:
         """Evaluations of ``f`` in the latest forward solve."""
