@@ -62,6 +62,21 @@ def test_timm_vit_api(family, mixer):
         model.reset_classifier(3, "max")
 
 
+def test_blocks_take_timm_calls_and_refuse_what_they_cannot_do():
+    from ssogvit.models import Block, GridContext
+
+    with pytest.raises(ValueError, match="qk_norm"):
+        Block(16, 2, mixer="ssog", context=GridContext(1), qk_norm=True)
+    block = Block(16, 2, mixer="ssog", context=GridContext(1))
+    z = torch.randn(1, 1 + 6, 16)
+    with pytest.raises(ValueError, match="no patch grid"):
+        block(z)  # outside a model's forward nothing has set the grid
+    block.context.grid = (2, 3)
+    assert block(z).shape == z.shape  # a tensor, like timm's Block
+    with pytest.raises(ValueError, match="no attention mask"):
+        block(z, attn_mask=torch.ones(7, 7, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_set_input_size_keeps_the_class_and_patch_position_layout(family):
     model = tiny(family, "ssog", num_registers=2).eval()
