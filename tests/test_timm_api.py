@@ -286,6 +286,33 @@ def test_timm_loads_our_exported_weights(family, tmp_path):
 # -- deployment ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["ssog", "ssog-steered"])
+def test_traced_mixer_takes_the_functional_path_and_matches_the_dense_reference(name):
+    from ssogvit import ops, reference
+    from ssogvit.layers import create_mixer
+
+    mixer = open_steering(create_mixer(name, 12, 3, head_chunk=1)).double().eval().requires_grad_(False)
+    x = torch.randn(2, 2 + 3 * 5, 12, dtype=torch.float64)
+
+    class Grid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer = mixer
+
+        def forward(self, tokens):
+            assert ops.functional_only()  # tracing: no in-place or preallocated-buffer shortcut
+            return self.mixer(tokens, grid=(3, 5), num_prefix_tokens=2)
+
+    with torch.no_grad():
+        traced = torch.jit.trace(Grid(), (x,), check_trace=False)
+        y = torch.randn_like(x)
+        expected = mixer.proj(reference.dense_mix(mixer.attention_matrix(y, (3, 5)), mixer.v(y)))
+        torch.testing.assert_close(traced(y), expected, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="cannot be traced"):
+            torch.jit.trace(lambda v: ops.ssog_mix(v, (3, 5), *mixer._fixed_kernels((3, 5), v.dtype), inplace=True),
+                            (mixer.v(x),))
+
+
 @pytest.mark.parametrize(  # every family with both SSoG mixers; MHA (nothing family-specific in it) once
     "family, mixer", [(f, m) for f in FAMILIES for m in ("ssog", "ssog-steered")] + [("vit", "mha")]
 )
