@@ -18,7 +18,8 @@ from ssogvit.train.run import train
 TINY = [
     "data=digits", "data.img_size=16", "model.size=tiny", "model.kwargs.patch_size=4", "model.kwargs.embed_dim=32",
     "model.kwargs.num_heads=2", "model.kwargs.depth=1", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.accelerator=cpu", "trainer.devices=1", "trainer.limit_train_batches=5", "trainer.log_every_n_steps=1", "resume=null",
+    "trainer.accelerator=cpu", "trainer.devices=1", "trainer.limit_train_batches=5", "trainer.log_every_n_steps=1",
+    "resume=null",
 ]
 
 

@@ -76,7 +76,9 @@ def experiment_rows(table: int | None = None) -> list[dict[str, Any]]:
     for name in list_experiments():
         for row in experiment_meta(name).get("rows") or []:
             if table is None or int(row["table"]) == table:
-                out.append({"experiment": name, "table": int(row["table"]), "row": str(row["row"]), "top1": row["top1"]})
+                out.append(
+                    {"experiment": name, "table": int(row["table"]), "row": str(row["row"]), "top1": row["top1"]}
+                )
     return sorted(out, key=lambda r: r["table"])
 
 

@@ -127,8 +127,8 @@ def jasmin_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Checked options of `attention_penalty` from the `loss.jasmin` config block (weight excluded).
 
     Keys: `kind` (`"jasmin"` default, or `"softmax-jacobian"`), `k` (JaSMin only; default 10), `maps` (`"last"`
-    default: the last attention map of the forward pass, or `"all"`: the mean over every map), `reduce` (softmax-jacobian
-    only; `"mean"` default or `"max"`).
+    default: the last attention map of the forward pass, or `"all"`: the mean over every map), `reduce`
+    (softmax-jacobian only; `"mean"` default or `"max"`).
     """
     known = {"weight", "kind", "k", "maps", "reduce"}
     unknown = sorted(set(cfg) - known)
