@@ -246,6 +246,9 @@ def lipschitz_report(
     return out
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def plot_lipschitz(reports: dict[str, dict], path) -> object:
     """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
     from .fields import _pyplot, _save
@@ -280,9 +283,11 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
             for i, row in enumerate(rep["steered"]):
                 g = row["growth"]
                 style = dict(color=f"C{k}", alpha=0.35 + 0.65 * (i + 1) / len(rep["steered"]))
-                ax.plot([r["radius"] for r in g], [r["local_max"] for r in g], "o-", ms=3, **style,
-                        label=f"{label}: local ||J||, {row['layer']}" if i in (0, len(rep["steered"]) - 1) else None)
-                ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], ":", **style)
+                marker = _MARKERS[i % len(_MARKERS)]
+                ax.plot([r["radius"] for r in g], [r["local_max"] for r in g], f"{marker}-", ms=4, **style,
+                        label=f"{label}: local ||J||, {row['layer']}")
+                ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], f"{marker}:", ms=3, **style,
+                        label=f"{label}: frozen-geometry bound, {row['layer']}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("token norm r (ball radius)")
