@@ -141,8 +141,8 @@ def plot_query_fields(
     cols = max(len(_pick(len(f[0]), max_columns)) for f in fields.values())
     vmax = max(float(maps[i].max()) for maps, _ in fields.values() for i in _pick(len(maps), max_columns))
     drawn = None
-    fig, axes = plt.subplots(len(models), cols, figsize=(max(2.4 * cols, 5.5), 2.8 * len(models) + 0.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(len(models), cols, figsize=(max(2.6 * cols, 5.5) + 1.2, 2.8 * len(models) + 0.6),
+                             squeeze=False, layout="constrained")
     shown = _display(image)
     hgt, wid = image.shape[-2:]
     summary = {}
@@ -164,7 +164,7 @@ def plot_query_fields(
             drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0),
                               interpolation="nearest", vmin=0.0, vmax=vmax)
             ax.add_patch(Rectangle((qx * p, qy * p), p, p, fill=False, edgecolor="cyan", lw=1.2))
-            ax.set_title(f"{label}\napplication {picks[c]}: 3x3 mass {local:.2f}, peak {field.max().item():.2f}",
+            ax.set_title(f"{label}, application {picks[c]}\n3x3 mass {local:.2f}, peak {field.max().item():.2f}",
                          fontsize=7)
     if drawn is not None:
         bar = fig.colorbar(drawn, ax=axes, shrink=0.6, label="attention weight (heads averaged), one scale")

@@ -259,7 +259,7 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         return None
     plt = _pyplot()
     panels = int(has_fixed) + int(has_steered)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered, 3.6), squeeze=False)
     axes = list(axes[0])
     if has_fixed:
         ax = axes.pop(0)
@@ -292,7 +292,7 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         ax.set_yscale("log")
         ax.set_xlabel("token norm r (ball radius)")
         ax.set_ylabel("largest ||J(x)||₂ found, ||x_t|| = r")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no line
         ax.set_title("steered SSoG: local constant vs input norm (dotted: frozen-geometry bound)", fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
