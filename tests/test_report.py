@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ssogvit.cli import main as cli
-from ssogvit.train.config import compose
-from ssogvit.train.report import ReportError, read_run
+from ssogvit.train.config import compose, experiment_rows
+from ssogvit.train.report import ReportError, read_run, table_markdown
 from ssogvit.train.run import train
 
 TINY = [
@@ -98,6 +98,9 @@ def test_resumed_runs_take_the_later_launch_for_an_epoch(runs, tmp_path):
     (run / "logs" / "version_1" / "metrics.csv").write_text(head + "1,9,,1.8,25.0\n2,13,,1.7,30.0\n")
     log = read_run(run)
     assert log.series["val/top1"] == {1: 10.0, 2: 25.0, 3: 30.0}
+    log.rows = [{"table": 1, "row": "Renamed row", "top1": 74.22}]  # a row the current configs do not have
+    assert "| Renamed row (not in the current configs) | cifar100_ode_base_ssog | 74.22 | 30.00 (3) | 30.00 |" in (
+        table_markdown(1, experiment_rows(1), [log]))
     assert log.series["train/loss_epoch"] == {1: 2.1}
     assert log.best_top1() == (30.0, 3) and log.final_top1() == 30.0
     (run / "logs" / "version_1" / "metrics.csv").unlink()

@@ -193,10 +193,10 @@ def list_main(argv: list[str]) -> int:
     parser.add_argument("--table", type=int, default=None,
                         help="list the experiments of this paper table, each with its row and the paper's Acc@1")
     args = parser.parse_args(argv)
-    from .config import experiment_meta, experiment_rows, list_experiments
+    from .config import experiment_meta, list_experiments
 
     if args.table is not None:
-        return _list_table(args.table, experiment_rows)
+        return _list_table(args.table)
     if args.what in ("all", "experiments"):
         print("experiments (ssogvit train experiment=<name>):")
         for name in list_experiments():
@@ -221,8 +221,10 @@ def list_main(argv: list[str]) -> int:
     return 0
 
 
-def _list_table(table: int, experiment_rows: Any) -> int:
+def _list_table(table: int) -> int:
     """`ssogvit list experiments --table N`: each run of paper table N, its row and the paper's Acc@1."""
+    from .config import experiment_rows
+
     rows = experiment_rows(table)
     if not rows:
         tables = sorted({r["table"] for r in experiment_rows()})

@@ -56,7 +56,8 @@ def list_experiments() -> list[str]:
 
 
 def experiment_meta(name: str) -> dict[str, Any]:
-    """The `meta` block (paper table, description) of an experiment, read without composing it."""
+    """The `meta` block of an experiment (`paper` label, `description`, `rows`: the paper rows it reproduces with the
+    paper's Acc@1, `missing`: settings the paper's text lacks), read without composing it."""
     text = (resources.files(CONFIG_MODULE) / "experiment" / f"{name}.yaml").read_text()
     node = OmegaConf.create(text)
     return dict(OmegaConf.to_container(node.get("meta", {}), resolve=False) or {})

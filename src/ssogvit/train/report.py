@@ -119,6 +119,12 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
         if not matching:
             lines.append(f"{prefix} not run | | | |")
         lines += [f"{prefix} {ours(run)} |" for run in matching]
+    known = {row["row"] for row in paper_rows}
+    for run in runs:  # a run that names a row the packaged configs no longer have: shown with its own record
+        for m in run.rows:
+            if int(m["table"]) == table and m["row"] not in known:
+                lines.append(f"| {m['row']} (not in the current configs) | {run.name} | {_fmt(m.get('top1'))} "
+                             f"| {ours(run)} |")
     title = f"Table {table}: the paper's Acc@1 beside ours (validation top-1, %; epochs counted from 1)."
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
