@@ -8,15 +8,26 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["compose", "list_experiments", "experiment_meta", "model_config_from", "CONFIG_MODULE"]
+__all__ = [
+    "compose", "list_experiments", "experiment_meta", "experiment_rows", "unset_details", "model_config_from",
+    "IncompleteExperimentError", "CONFIG_MODULE",
+]
 
 CONFIG_MODULE = "ssogvit.conf"
 
 
-def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> DictConfig:
+class IncompleteExperimentError(ValueError):
+    """An experiment whose paper does not give some of its settings (`meta.missing`), and the run did not set them."""
+
+
+def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow_unset: bool = False) -> DictConfig:
     """The run config for `overrides` (Hydra syntax: `experiment=cifar100_vit_base_ssog`, `data.batch_size=32`).
 
     When `experiment=<name>` is given and `name` is not overridden, the run is named after the experiment.
+
+    Raises:
+        IncompleteExperimentError: a key of the experiment's `meta.missing` (a detail the paper's text lacks) is still
+            null; `allow_unset=True` returns such a config anyway (to print or inspect it, never to train).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
@@ -29,6 +40,12 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> Di
     exp = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment"), None)
     if exp and not any(o.split("=", 1)[0].lstrip("+") == "name" for o in overrides):
         OmegaConf.update(cfg, "name", exp.split("/")[-1], force_add=True)
+    unset = unset_details(cfg)
+    if unset and not allow_unset:
+        raise IncompleteExperimentError(
+            f"{', '.join(unset)} not set: the paper does not give them for experiment {cfg.name!r} (see its "
+            f"meta.description); pass them as overrides, e.g. {unset[0]}=<value>"
+        )
     return cfg
 
 
@@ -39,10 +56,37 @@ def list_experiments() -> list[str]:
 
 
 def experiment_meta(name: str) -> dict[str, Any]:
-    """The `meta` block (paper table, description) of an experiment, read without composing it."""
+    """The `meta` block of an experiment (`paper` label, `description`, `rows`: the paper rows it reproduces with the
+    paper's Acc@1, `missing`: settings the paper's text lacks), read without composing it."""
     text = (resources.files(CONFIG_MODULE) / "experiment" / f"{name}.yaml").read_text()
     node = OmegaConf.create(text)
     return dict(OmegaConf.to_container(node.get("meta", {}), resolve=False) or {})
+
+
+def experiment_rows(table: int | None = None) -> list[dict[str, Any]]:
+    """The paper rows that the experiment configs reproduce (`meta.rows`), each with its experiment's name.
+
+    Args:
+        table: only the rows of this paper table.
+
+    Returns:
+        `{"experiment", "table", "row", "top1"}` dicts (`top1`: the paper's Acc@1, `None` where our copy of the text
+        lacks it), ordered by table, then as listed in the configs.
+    """
+    out = []
+    for name in list_experiments():
+        for row in experiment_meta(name).get("rows") or []:
+            if table is None or int(row["table"]) == table:
+                out.append(
+                    {"experiment": name, "table": int(row["table"]), "row": str(row["row"]), "top1": row["top1"]}
+                )
+    return sorted(out, key=lambda r: r["table"])
+
+
+def unset_details(cfg: DictConfig) -> list[str]:
+    """Keys of the experiment's `meta.missing` (settings the paper's text lacks) that are still null in `cfg`."""
+    missing = OmegaConf.select(cfg, "meta.missing", default=None) or []
+    return [str(key) for key in missing if OmegaConf.select(cfg, str(key), default=None) is None]
 
 
 def model_config_from(cfg: DictConfig) -> dict[str, Any]:

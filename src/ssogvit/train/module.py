@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ssogvit.models.maps import record_attention
 
-from .losses import jasmin_penalty, topk_correct
+from .losses import attention_penalty, jasmin_options, topk_correct
 
 __all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
 
@@ -74,7 +74,7 @@ class ClassificationModule(pl.LightningModule):
         self.smoothing = smoothing
         jasmin = (recipe.get("loss") or {}).get("jasmin") or {}
         self.jasmin_weight = float(jasmin.get("weight", 0.0))
-        self.jasmin_reduce = str(jasmin.get("reduce", "mean"))
+        self.jasmin_options = jasmin_options(jasmin)
 
         ema = recipe.get("ema") or {}
         self.ema = None
@@ -122,7 +122,7 @@ class ClassificationModule(pl.LightningModule):
             loss = F.cross_entropy(logits.float(), y, label_smoothing=self.smoothing)
         bsz = x.shape[0]
         if self.jasmin_weight > 0:
-            reg = jasmin_penalty(attns, self.jasmin_reduce)
+            reg = attention_penalty(attns, **self.jasmin_options)
             self.log("train/jasmin", reg, on_step=False, on_epoch=True, batch_size=bsz)
             loss = loss + self.jasmin_weight * reg
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=bsz)
