@@ -45,6 +45,13 @@ def report_errors(prog: str, run) -> int:
         return 2
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def _print_help_if_asked(argv: list[str], text: str) -> bool:
     if any(a in ("-h", "--help") for a in argv):
         print(text)
@@ -102,7 +109,7 @@ def _source_tag(ckpt: str) -> str:
 
 def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssogvit transfer",
         description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra "
         "overrides as for `ssogvit train` (e.g. data=cifar100 data.root=... trainer.max_epochs=10).",
@@ -149,7 +156,7 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: bool = True)
 
 def eval_main(argv: list[str]) -> int:
     """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssogvit eval",
         description="Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another "
         "image size or patch size. Remaining arguments are Hydra overrides for the data (default: the data config "
@@ -254,7 +261,7 @@ def _parse_value(text: str) -> Any:
 
 def list_main(argv: list[str]) -> int:
     """`ssogvit list [models|mixers|experiments|datasets]`"""
-    parser = argparse.ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
+    parser = ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
     parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
     args = parser.parse_args(argv)
     from .config import experiment_meta, list_experiments

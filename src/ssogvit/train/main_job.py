@@ -34,7 +34,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    from .cli import ArgumentParser, report_errors
+
+    parser = ArgumentParser(
         prog="ssogvit main",
         description="Train a small SSoG ViT and its MHA twin on the embedded digits data (no download) and print a "
         "side-by-side table. Extra arguments are Hydra overrides applied to both runs.",
@@ -47,8 +49,6 @@ def main(argv: list[str]) -> int:
                         "thread that waits for a busy core slows every step down)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, overrides = parser.parse_known_args(argv)
-    from .cli import report_errors
-
     return report_errors("ssogvit main", lambda: _run(parser, args, overrides))
 
 
@@ -56,6 +56,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: l
     import torch
 
     from .config import compose
+    from .errors import ConfigError
     from .run import train
     from .run_folder import fresh_folder
 
@@ -67,7 +68,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: l
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     for m in mixers:
         if m not in ("ssog", "mha"):
-            parser.error(f"unknown mixer {m!r}; choose from ssog, mha")
+            raise ConfigError(f"unknown mixer {m!r} in --mixers; choose from ssog, mha")
     out = fresh_folder(asked, parts=tuple(mixers))  # never into a folder that holds a run
     if out != asked:
         print(f"ssogvit main: {asked} holds another run; writing to {out}")

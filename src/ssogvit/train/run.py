@@ -158,7 +158,7 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     transfer = OmegaConf.to_container(cfg.transfer, resolve=True) if cfg.transfer.ckpt else None
     try:
         module = ClassificationModule(model_config, recipe, transfer)
-    except (ValueError, TypeError) as err:  # an option the model does not take, a value it refuses
+    except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
         raise ConfigError(f"the model cannot be built from this config: {str(err).splitlines()[0]}") from None
     return dm, model_config, module
 
