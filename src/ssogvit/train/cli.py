@@ -197,7 +197,10 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         except ValueError as err:
             raise ConfigError(f"--patch-size {args.patch_size}: {err}") from None
     dm = _datamodule_for(args.ckpt, overrides, img_size=args.img_size)
-    result = evaluate(model, dm, device=args.device)
+    try:
+        result = evaluate(model, dm, device=args.device)
+    except (ValueError, RuntimeError) as err:  # the model refuses this input (image size, grid, channels)
+        raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
                   patch_size=patch[0] if isinstance(patch, (tuple, list)) else patch)
@@ -236,6 +239,9 @@ def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
     if data is None and path.with_suffix(".json").is_file():
         data = json.loads(path.with_suffix(".json").read_text()).get("data")
     data_overrides = [o for o in overrides if o.startswith("data")]
+    if data is None and not any(o.startswith("data=") for o in overrides):
+        raise ConfigError(f"no data config beside {path} (its run's config.yaml or the export's .json): name the "
+                          f"data, e.g. data=cifar100 data.root=/data")
     if data is None or any(o.startswith("data=") for o in overrides):
         data = OmegaConf.to_container(compose(data_overrides).data, resolve=True)
     else:
@@ -250,7 +256,10 @@ def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size
-    return create_datamodule(data.pop("name"), **data)
+    try:
+        return create_datamodule(data.pop("name"), **data)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
 
 
 def _parse_value(text: str) -> Any:

@@ -147,7 +147,10 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     """Data found, model built (and a transfer source read): everything a launch needs before it writes anything."""
     from ssogvit.data import DataError
 
-    dm = build_datamodule(cfg)
+    try:
+        dm = build_datamodule(cfg)
+    except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
+        raise ConfigError(f"the data cannot be set up from this config: {str(err).splitlines()[0]}") from None
     dm.prepare_data()  # a missing dataset fails here, with its help text, before any model is built
     if int(dm.num_classes) <= 0:
         raise DataError("the dataset has no classes: set data.num_classes or data.root")
