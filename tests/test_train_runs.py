@@ -105,8 +105,7 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path)
     """SIGKILL at random moments over several launches, then a launch that finishes: same steps, every validation
     epoch logged once, bit-identical weights to one uninterrupted launch (same machine, threads, workers)."""
     ref = tmp_path / "ref"
-    proc = cli("train", *digits(ref))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(["train", *digits(ref)]) == 0  # in this process: one thread, as in the subprocesses
     run, rng, kills, delays = tmp_path / "killed", random.Random(), 0, []
     for launch in range(12):
         child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run)], env=ENV,
@@ -223,9 +222,9 @@ def test_a_live_run_holds_its_folder(tmp_path):
         assert_clear_error(proc, proc.stderr, "another live run", f"pid {os.getpid()}")
         assert sorted(p.name for p in out.iterdir()) == [".lock"]
     # the lock goes with the process that held it: a SIGKILLed holder leaves nothing stale behind
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from ssogvit.train.run_folder import RunLock; "
-                               "lock = RunLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(60)",
-                               str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(Exception, match="another live run"):
         RunLock(out).__enter__()
@@ -257,15 +256,15 @@ def test_different_config_into_an_unfinished_run_names_the_keys(tmp_path, capsys
     assert config_diff({"a": {"b": 1}, "resume": "auto"}, {"a": {"b": 2}, "resume": None}) == ["a.b: saved 1, now 2"]
 
 
-def test_transfer_from_two_sources_never_shares_a_folder(finished, tmp_path):
+def test_transfer_from_two_sources_never_shares_a_folder(finished, tmp_path, monkeypatch):
     """The issue's case: a second `transfer --ckpt B` must not resume the first one's run and report A's score."""
     # no output_dir: transfer picks one
     common = [o for o in tiny(tmp_path, "data.num_classes=4", epochs=1) if not o.startswith("output_dir=")]
     a, b = finished / "checkpoints" / "best.ckpt", finished / "export" / "model.safetensors"
     runs = []
+    monkeypatch.chdir(tmp_path)
     for src in (a, b, a):
-        proc = cli("transfer", "--ckpt", str(src), "--mode", "linear", *common, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert cli_main(["transfer", "--ckpt", str(src), "--mode", "linear", *common]) == 0
         runs.append(sorted(p.name for p in (tmp_path / "runs").iterdir()))
     assert runs[-1] == ["transfer_linear_synthetic_run_best", "transfer_linear_synthetic_run_best-2",
                         "transfer_linear_synthetic_run_model"]

@@ -78,9 +78,10 @@ def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str,
     path = Path(path)
     ckpt = read_checkpoint(path, mmap=True)
     if not (ckpt.get("ssogvit") or {}).get("resumable"):
-        raise CheckpointError(f"{path} was not saved at the end of a training epoch, so a resume from it cannot "
-                              f"reproduce the data order; resume from {path.parent / 'last.ckpt'}, or start a new run "
-                              f"from its weights with `ssogvit transfer --ckpt {path} --mode finetune`")
+        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), so "
+                              f"a resume from it cannot reproduce the data order; resume from "
+                              f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
+                              f"`ssogvit transfer --ckpt {path} --mode finetune`")
     saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
     if _canonical(saved) != _canonical(model_config):
         a, b = _canonical(saved) or {}, _canonical(model_config)
