@@ -6,9 +6,6 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ import torch
 
 from ssogvit.train import CheckpointError, load_model
 from ssogvit.train.config import compose
-from ssogvit.train.io import atomic_checkpoint_io, read_checkpoint, read_model_config
+from ssogvit.train.io import atomic_checkpoint_io, read_model_config
 from ssogvit.train.losses import jasmin_penalty, jasmin_row_norm, topk_correct
 from ssogvit.train.run import resolve_resume, train
 

@@ -107,7 +107,7 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path)
     ref = tmp_path / "ref"
     assert cli_main(["train", *digits(ref)]) == 0  # in this process: one thread, as in the subprocesses
     run, rng, kills, delays = tmp_path / "killed", random.Random(), 0, []
-    for launch in range(12):
+    for _ in range(12):
         child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run)], env=ENV,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if kills < 3:

@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import model_config_from
 from .errors import CheckpointError, ConfigError, TrainError
-from .io import (atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_checkpoint,
-                 read_model_config)
+from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_checkpoint
+from .io import read_model_config
 from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
@@ -103,10 +103,10 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
     # Each file is written to a temporary file in the same folder and renamed over the old one (atomic_checkpoint_io),
     # so a kill never leaves a torn file.
     cbs = [
-        EpochEndCheckpoint(ckpt_dir / "last.ckpt"),  # after validation: the only checkpoints a resume uses
         # best.ckpt (by ckpt.monitor) at each validation
         ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=str(cfg.ckpt.monitor), mode="max", save_top_k=1,
                         auto_insert_metric_name=False, enable_version_counter=False),
+        EpochEndCheckpoint(ckpt_dir / "last.ckpt"),  # after validation: the only checkpoints a resume uses
     ]
     if every:  # mid-epoch snapshots, the ckpt.keep most recent (not resumable: see ClassificationModule)
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:07d}", auto_insert_metric_name=False,
