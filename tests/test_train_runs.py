@@ -127,7 +127,8 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path)
             break
         assert child.returncode == -signal.SIGKILL, err[-3000:]
     assert child.returncode == 0 and kills >= 1, (kills, delays)
-    last, ref_last = read_checkpoint(run / "checkpoints" / "last.ckpt"), read_checkpoint(ref / "checkpoints" / "last.ckpt")
+    last = read_checkpoint(run / "checkpoints" / "last.ckpt")
+    ref_last = read_checkpoint(ref / "checkpoints" / "last.ckpt")
     assert last["global_step"] == ref_last["global_step"] == 24 and last["epoch"] == ref_last["epoch"] == 4
     assert val_epochs(run) == val_epochs(ref) == [0, 1, 2, 3], (val_epochs(run), kills, delays)
     a, b = weights(ref / "export" / "model.safetensors"), weights(run / "export" / "model.safetensors")
@@ -202,7 +203,8 @@ def test_a_failed_launch_writes_nothing(finished, tmp_path, capsys):
     finally:
         (finished / "run.json").write_text(json.dumps({"status": "finished"}))
     # a launch into a new folder that fails (no such dataset) leaves no folder behind
-    assert cli_main(["train", "data=cifar100", f"data.root={tmp_path / 'nowhere'}", f"output_dir={tmp_path / 'x'}"]) == 2
+    nowhere, out = tmp_path / "nowhere", tmp_path / "x"
+    assert cli_main(["train", "data=cifar100", f"data.root={nowhere}", f"output_dir={out}"]) == 2
     assert not (tmp_path / "x").exists()
 
 

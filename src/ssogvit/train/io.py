@@ -50,7 +50,8 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
 
 
-def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *,
+                    mmap: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint as a dict, loaded with `weights_only=True`; `CheckpointError` if it is unreadable.
 
     Args:

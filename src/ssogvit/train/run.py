@@ -27,8 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import model_config_from
 from .errors import CheckpointError, ConfigError, TrainError
-from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_checkpoint
-from .io import read_model_config
+from .io import (
+    atomic_checkpoint_io,
+    atomic_write,
+    check_checkpoint,
+    export_safetensors,
+    read_checkpoint,
+    read_model_config,
+)
 from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
@@ -78,8 +84,8 @@ def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str,
     path = Path(path)
     ckpt = read_checkpoint(path, mmap=True)
     if not (ckpt.get("ssogvit") or {}).get("resumable"):
-        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), so "
-                              f"a resume from it cannot reproduce the data order; resume from "
+        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), "
+                              f"so a resume from it cannot reproduce the data order; resume from "
                               f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
                               f"`ssogvit transfer --ckpt {path} --mode finetune`")
     saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
