@@ -198,7 +198,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
         return _fit(cfg, output_dir, dm, model_config, module, resolve_resume(cfg, output_dir / "checkpoints"),
-                    callbacks, verbose, start)
+                    callbacks, start)
     with RunLock(output_dir):
         resume = decide_resume(output_dir, resume_setting, config)
         if resume is not None:
@@ -212,8 +212,8 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
         atomic_write(output_dir / "config.yaml", lambda tmp: OmegaConf.save(cfg, tmp, resolve=True))
         write_run_state(output_dir, "running", pid=os.getpid(), resumed_from=resume)
         if verbose and resume:
-            print(f"resuming from {resume} (epoch {epoch + 1} done, step {step})")
-        summary = _fit(cfg, output_dir, dm, model_config, module, resume, callbacks, verbose, start)
+            print(f"resuming from {resume} ({epoch + 1} epochs done, step {step})")
+        summary = _fit(cfg, output_dir, dm, model_config, module, resume, callbacks, start)
         write_run_state(output_dir, "finished", epochs=summary["epochs"], steps=summary["steps"],
                         best=summary["best"], export=summary["export"])
     if verbose:
@@ -222,7 +222,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
 
 
 def _fit(cfg: DictConfig, output_dir: Path, dm, model_config: dict[str, Any], module: ClassificationModule,
-         resume: str | None, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
+         resume: str | None, callbacks: list | None, start: float) -> dict[str, Any]:
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
     try:
