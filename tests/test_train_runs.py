@@ -216,6 +216,10 @@ def test_a_folder_with_run_files_but_no_config_is_refused(tmp_path, capsys):
     assert cli_main(["train", *tiny(out)]) == 2
     assert_clear_error(2, capsys.readouterr().err, "files of another run", "checkpoints")
     assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == [".lock", "checkpoints"]
+    (tmp_path / "file").write_text("x")  # output_dir names a file
+    assert cli_main(["train", *tiny(tmp_path / "file")]) == 2
+    assert_clear_error(2, capsys.readouterr().err, "is a file, not a folder")
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_a_live_run_holds_its_folder(tmp_path):
@@ -305,6 +309,20 @@ def test_files_honour_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o666 & ~umask
+
+
+def test_the_folder_is_flushed_after_the_rename(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        synced.append(("dir" if is_dir else "file", (tmp_path / "f").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write(tmp_path / "f", lambda tmp: Path(tmp).write_text("x"))
+    assert synced == [("file", False), ("dir", True)]  # the data before the rename, the folder's entry after it
 
 
 def test_a_run_writes_group_readable_files_under_umask_002(tmp_path):
@@ -397,11 +415,32 @@ BAD_INPUTS = [
     (["transfer", "--ckpt", "/nonexistent/x.ckpt", "data=synthetic"], ["does not exist"]),
     (["main", "--mixers", "ssog,foo"], ["unknown mixer"]),
 ]
+# values a run config may not take, on top of a run that is otherwise fine: refused before anything is written
+SYN = ["data=synthetic", "data.img_size=16", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
+       "model.kwargs.depth=1", "model.kwargs.patch_size=4", "trainer.accelerator=cpu"]
+BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
+    ("trainer.max_epochs=-5", "trainer.max_epochs=-5"), ("trainer.max_epochs=abc", "trainer.max_epochs"),
+    ("data.batch_size=0", "data.batch_size=0"), ("data.num_workers=-1", "data.num_workers"),
+    ("data.train_size=0", "num_samples"), ("data.in_chans=0", "0 channels"), ("optim.lr=nan", "optim.lr=nan"),
+    ("optim.lr=-1", "optim.lr=-1"), ("optim.opt=nope", "optim.opt"), ("seed=abc", "seed"),
+    ("sched.warmup_epochs=-1", "sched.warmup_epochs"), ("loss.smoothing=2", "loss.smoothing"),
+    ("loss.jasmin.reduce=sum", "loss.jasmin.reduce"), ("mixup.mixup_alpha=-1", "mixup.mixup_alpha"),
+    ("ema.decay=2", "ema.decay"), ("ckpt.monitor=val/loss", "ckpt.monitor"), ("ckpt.monitor=val_ema/top1", "ema"),
+    ("ckpt.keep=-5", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "every_n_train_steps"),
+    ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
+    ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
+    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "not divisible by the patch size 5"),
+    ("model.kwargs.embed_dim=0", "cannot run"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
+    ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
+    ("output_dir= ", "output_dir is empty"),
+]]
 
 
-@pytest.mark.parametrize("argv,needles", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in BAD_INPUTS])
+@pytest.mark.parametrize("argv,needles", BAD_INPUTS, ids=[" ".join(a[-2:])[:50] for a, _ in BAD_INPUTS])
 def test_bad_inputs_are_short_errors(argv, needles, tmp_path, capsys):
-    if argv[0] == "train":
+    if argv[0] not in ("train", "eval", "transfer", "main"):  # run config overrides
+        argv = ["train", *argv]
+    if argv[0] == "train" and not any(a.startswith("output_dir=") for a in argv):
         argv = [*argv, f"output_dir={tmp_path / 'out'}"]
     try:
         code = cli_main(argv)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import model_config_from
+from .config import check_run_config, model_config_from
 from .errors import CheckpointError, ConfigError, TrainError
 from .io import (
     atomic_checkpoint_io,
@@ -150,14 +150,26 @@ def _is_global_zero() -> bool:
     return int(getattr(rank_zero_only, "rank", 0) or 0) == 0
 
 
-def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule]:
-    """Data found, model built (and a transfer source read): everything a launch needs before it writes anything."""
+def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[str, Any], ClassificationModule]:
+    """Everything a launch needs, checked before it writes anything: the config's values, the data (found, loaders
+    built), the model (built, and one forward pass on a blank image of the data's shape), the trainer.
+
+    Returns `(trainer, datamodule, model_config, module)`; a `ConfigError` or `DataError` names what is wrong.
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     from ssogvit.data import DataError
 
+    def refuse(what: str, err: BaseException) -> ConfigError:
+        return ConfigError(f"{what}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+
+    output_dir = Path(str(cfg.output_dir)).expanduser()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"output_dir={output_dir} is a file, not a folder")
     try:
         dm = build_datamodule(cfg)
     except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
-        raise ConfigError(f"the data cannot be set up from this config: {str(err).splitlines()[0]}") from None
+        raise refuse("the data cannot be set up from this config", err) from None
     dm.prepare_data()  # a missing dataset fails here, with its help text, before any model is built
     if int(dm.num_classes) <= 0:
         raise DataError("the dataset has no classes: set data.num_classes or data.root")
@@ -169,8 +181,26 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     try:
         module = ClassificationModule(model_config, recipe, transfer)
     except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
-        raise ConfigError(f"the model cannot be built from this config: {str(err).splitlines()[0]}") from None
-    return dm, model_config, module
+        raise refuse("the model cannot be built from this config", err) from None
+    try:  # after the model, as Lightning does it: a dataset drawing random numbers leaves the initial weights alone
+        dm.setup("fit")
+        dm.train_dataloader(), dm.val_dataloader()
+    except (ValueError, TypeError) as err:
+        raise refuse("the data loaders cannot be built from this config", err) from None
+    blank = torch.zeros(1, int(dm.in_chans), int(dm.img_size), int(dm.img_size))  # (1, C, H, W)
+    training = module.training
+    try:
+        with torch.inference_mode():  # eval mode: no dropout, no drop path, so no random number is drawn
+            module.eval()(blank)
+    except (ValueError, RuntimeError) as err:
+        raise refuse(f"the model cannot run on {dm.img_size} px images with {dm.in_chans} channels", err) from None
+    finally:
+        module.train(training)
+    try:
+        trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
+    except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
+        raise refuse("the trainer cannot be set up from this config", err) from None
+    return trainer, dm, model_config, module
 
 
 def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = True) -> dict[str, Any]:
@@ -185,20 +215,29 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
     (default true), on one machine with the same threads and workers, two runs with the same seed, or a run killed
     and resumed any number of times, end with bit-identical weights.
     """
+    start = time.perf_counter()
+    deterministic_before = torch.are_deterministic_algorithms_enabled()  # Trainer(deterministic=True) switches it on
+    try:
+        return _launch(cfg, callbacks, verbose, start)
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
+
+
+def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    start = time.perf_counter()
     output_dir = Path(str(cfg.output_dir)).expanduser()
+    check_run_config(cfg)  # before seed_everything reads the seed
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    dm, model_config, module = _prepare(cfg)
+    trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     resume_setting = cfg.get("resume")
     if resume_setting not in NO_RESUME and resume_setting != "auto":
         check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
-        return _fit(cfg, output_dir, dm, model_config, module, resolve_resume(cfg, output_dir / "checkpoints"),
-                    callbacks, start)
+        return _fit(cfg, output_dir, trainer, dm, model_config, module,
+                    resolve_resume(cfg, output_dir / "checkpoints"), start)
     with RunLock(output_dir):
         resume = decide_resume(output_dir, resume_setting, config)
         if resume is not None:
@@ -213,7 +252,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
         write_run_state(output_dir, "running", pid=os.getpid(), resumed_from=resume)
         if verbose and resume:
             print(f"resuming from {resume} ({epoch + 1} epochs done, step {step})")
-        summary = _fit(cfg, output_dir, dm, model_config, module, resume, callbacks, start)
+        summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
         write_run_state(output_dir, "finished", epochs=summary["epochs"], steps=summary["steps"],
                         best=summary["best"], export=summary["export"])
     if verbose:
@@ -221,14 +260,9 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
     return summary
 
 
-def _fit(cfg: DictConfig, output_dir: Path, dm, model_config: dict[str, Any], module: ClassificationModule,
-         resume: str | None, callbacks: list | None, start: float) -> dict[str, Any]:
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
-    trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
-    try:
-        trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic_before)
+def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str, Any], module: ClassificationModule,
+         resume: str | None, start: float) -> dict[str, Any]:
+    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     if trainer.interrupted:
         raise TrainError(f"the run in {output_dir} was interrupted; resume it with resume=auto")
     save_resumable(trainer, output_dir / "checkpoints" / "last.ckpt")  # the final state, whatever saved last
