@@ -15,7 +15,6 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -26,20 +25,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .config import check_run_config, model_config_from
-from .errors import CheckpointError, ConfigError, TrainError
-from .io import (
-    atomic_checkpoint_io,
-    atomic_write,
-    check_checkpoint,
-    export_safetensors,
-    read_checkpoint,
-    read_model_config,
-)
-from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
+from .errors import ConfigError, TrainError
+from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_model_config
+from .module import ClassificationModule, count_parameters
+from .resume import EpochEndCheckpoint, check_resumable, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
-__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "check_resumable",
-           "format_summary"]
+__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "format_summary"]
 
 NO_RESUME = (None, False, "null", "none", "false")
 
@@ -69,32 +61,6 @@ def resolve_resume(cfg: DictConfig, ckpt_dir: Path) -> str | None:
         return None
     check_checkpoint(path)  # a clear CheckpointError naming the intact ones, instead of a zip error mid-restore
     return str(path)
-
-
-def _canonical(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
-
-
-def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint `path` as a dict if a run of `model_config` can resume from it exactly; `CheckpointError` if not.
-
-    Only checkpoints taken at the end of a training epoch (`last.ckpt`) are resumable: there the data order and the
-    random state of the next epoch are known. The tensors are memory-mapped, not read.
-    """
-    path = Path(path)
-    ckpt = read_checkpoint(path, mmap=True)
-    if not (ckpt.get("ssogvit") or {}).get("resumable"):
-        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), "
-                              f"so a resume from it cannot reproduce the data order; resume from "
-                              f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
-                              f"`ssogvit transfer --ckpt {path} --mode finetune`")
-    saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
-    if _canonical(saved) != _canonical(model_config):
-        a, b = _canonical(saved) or {}, _canonical(model_config)
-        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        raise CheckpointError(f"{path} holds another model (model_config differs in {', '.join(keys)}); resume it "
-                              f"with the settings it was trained with, or write elsewhere with output_dir=<new folder>")
-    return ckpt
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None = None, loggers: bool = True):
@@ -208,7 +174,8 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
 
     Before anything is written the launch is checked: the data are found, the model builds, and the output folder
     holds no run, or the unfinished run of this same config (resumed from its `last.ckpt` with `resume: auto`), or
-    `resume` names a checkpoint taken at an epoch end (`check_resumable`); otherwise a `TrainError` says what to do.
+    `resume` names a checkpoint taken at an epoch end (`ssogvit.train.resume.check_resumable`); otherwise a
+    `TrainError` says what to do.
     A non-finite loss or weights stop the run with a `NonFiniteError`; nothing non-finite is saved or exported.
 
     Seeds with `seed_everything(cfg.seed, workers=True)` and checkpoints the RNG states: with `trainer.deterministic`
