@@ -42,14 +42,15 @@ def tiny(out: Path, *extra: str, epochs: int = 2) -> list[str]:
     ]
 
 
-def digits(out: Path, *extra: str) -> list[str]:
+def digits(out: Path, *extra: str, epochs: int = 4) -> list[str]:
     """The main job's recipe shrunk: digits with random crops, mixup/cutmix, drop path and one loader worker, so that
-    the torch, numpy and Python RNGs and the workers' seeds all shape the result (4 epochs of 6 steps)."""
+    the torch, numpy and Python RNGs and the workers' seeds all shape the result (epochs of 6 steps)."""
     return [
         "experiment=digits_vit_ssog", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
         "model.kwargs.drop_path_rate=0.1", "mixup.mixup_alpha=0.8", "mixup.cutmix_alpha=1.0", "data.batch_size=32",
-        "data.num_workers=1", "trainer.max_epochs=4", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
-        "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+        "data.num_workers=1", f"trainer.max_epochs={epochs}", "trainer.limit_train_batches=6",
+        "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1",
         "ckpt.every_n_train_steps=2", f"output_dir={out}", *extra,
     ]
 
@@ -101,23 +102,24 @@ def finished(tmp_path_factory) -> Path:
 
 
 # exact resume ---------------------------------------------------------------------------------------------------------
-def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("max_kills,epochs,window", [(3, 4, 3.0), pytest.param(10, 12, 1.5, marks=pytest.mark.slow)])
+def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path, max_kills, epochs, window):
     """SIGKILL at random moments over several launches, then a launch that finishes: same steps, every validation
     epoch logged once, bit-identical weights to one uninterrupted launch (same machine, threads, workers)."""
     ref = tmp_path / "ref"
-    assert cli_main(["train", *digits(ref)]) == 0  # in this process: one thread, as in the subprocesses
+    assert cli_main(["train", *digits(ref, epochs=epochs)]) == 0  # in this process: one thread, as in the subprocesses
     run, rng, kills, delays = tmp_path / "killed", random.Random(), 0, []
-    for _ in range(12):
-        child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run)], env=ENV,
+    for _ in range(max_kills + 10):
+        child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run, epochs=epochs)], env=ENV,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < 3:
+        if kills < max_kills:
             deadline = time.monotonic() + 120  # the folder is claimed: the lock holds the child's pid
             while time.monotonic() < deadline and child.poll() is None:
                 lock = run / ".lock"
                 if lock.is_file() and lock.read_text().strip() == str(child.pid):
                     break
                 time.sleep(0.02)
-            delays.append(round(rng.uniform(0.0, 3.0), 2))
+            delays.append(round(rng.uniform(0.0, window), 2))
             time.sleep(delays[-1])
             if child.poll() is None:
                 child.send_signal(signal.SIGKILL)
@@ -130,8 +132,8 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path)
     assert child.returncode == 0 and kills >= 1, (kills, delays)
     last = read_checkpoint(run / "checkpoints" / "last.ckpt")
     ref_last = read_checkpoint(ref / "checkpoints" / "last.ckpt")
-    assert last["global_step"] == ref_last["global_step"] == 24 and last["epoch"] == ref_last["epoch"] == 4
-    assert val_epochs(run) == val_epochs(ref) == [0, 1, 2, 3], (val_epochs(run), kills, delays)
+    assert last["global_step"] == ref_last["global_step"] == 6 * epochs and last["epoch"] == ref_last["epoch"] == epochs
+    assert val_epochs(run) == val_epochs(ref) == list(range(epochs)), (val_epochs(run), kills, delays)
     a, b = weights(ref / "export" / "model.safetensors"), weights(run / "export" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), (kills, delays)
     for k, v in b.items():  # last.ckpt is the final state: the exported weights
