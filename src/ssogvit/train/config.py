@@ -2,21 +2,70 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from .errors import ConfigError
+
 __all__ = [
-    "compose", "list_experiments", "experiment_meta", "experiment_rows", "unset_details", "model_config_from",
-    "IncompleteExperimentError", "CONFIG_MODULE",
+    "compose", "quote_override", "list_experiments", "experiment_meta", "experiment_rows", "unset_details",
+    "model_config_from", "IncompleteExperimentError", "CONFIG_MODULE", "PATH_KEYS", "check_run_config",
+    "RUN_CONFIG_RULES",
 ]
 
 CONFIG_MODULE = "ssogvit.conf"
+PATH_KEYS = ("resume", "output_dir", "data.root", "transfer.ckpt")  # values taken literally, whatever characters
 
 
-class IncompleteExperimentError(ValueError):
+def _hydra_quoted(value: str) -> str:
+    """`value` as a single-quoted Hydra string that parses back to exactly `value` (no interpolation)."""
+    out, backslashes = [], 0
+    for ch in value:
+        if ch == "\\":
+            backslashes += 1
+            continue
+        if ch == "'":  # backslashes before a quote are escaped, and the quote itself
+            out.append("\\" * (2 * backslashes) + "\\'")
+        elif ch == "$":
+            out.append("\\" * backslashes + "\\$")
+        else:
+            out.append("\\" * backslashes + ch)
+        backslashes = 0
+    out.append("\\" * (2 * backslashes))  # trailing backslashes precede the closing quote
+    return "'" + "".join(out) + "'"
+
+
+def quote_override(override: str) -> str:
+    """`key=value` with `value` quoted for Hydra where it holds characters Hydra's grammar would read otherwise.
+
+    A path key (`PATH_KEYS`) is taken literally (`resume=/runs/x/checkpoints/step=0000100.ckpt`, commas, brackets,
+    quotes) unless it parses as it is (so `output_dir=runs/${name}` still interpolates); any other value is quoted
+    only when it holds a `=` and does not parse as it is.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    key, sep, value = override.partition("=")
+    if not sep or value[:1] in ("'", '"') or key.startswith("~"):
+        return override
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_override(override).value()
+    except Exception:  # noqa: BLE001 - Hydra raises its own exception types for a grammar error
+        parsed = None
+        ok = False
+    else:
+        ok = True
+    if key.lstrip("+") in PATH_KEYS:
+        literal = ok and (parsed == value or (parsed is None and value.lower() == "null"))
+        return override if literal else f"{key}={_hydra_quoted(value)}"
+    return override if ok or "=" not in value else f"{key}={_hydra_quoted(value)}"
+
+
+class IncompleteExperimentError(ConfigError):
     """An experiment whose paper does not give some of its settings (`meta.missing`), and the run did not set them."""
 
 
@@ -33,7 +82,7 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides)
+    overrides = [quote_override(o) for o in overrides]
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=overrides)
@@ -98,3 +147,84 @@ def model_config_from(cfg: DictConfig) -> dict[str, Any]:
             continue
         out[key] = tuple(value) if key == "steer" and isinstance(value, list) else value
     return out
+
+
+def _number(low: float, high: float, *, integer: bool = False, low_open: bool = False, high_open: bool = False,
+            allow_null: bool = False):
+    """A check for a number in [low, high] (open ends as asked): returns what was expected, or None if `value` fits."""
+    def check(value: Any) -> str | None:
+        expected = (f"{'an integer' if integer else 'a number'} in {'(' if low_open else '['}{low}, {high}"
+                    f"{')' if high_open else ']'}" + (" or null" if allow_null else ""))
+        if value is None:
+            return None if allow_null else expected
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return expected
+        if integer and not float(value).is_integer():
+            return expected
+        if not math.isfinite(value) and not (value == high == math.inf):
+            return expected
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return None if above and below else expected
+    return check
+
+
+def _one_of(*choices: Any):
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"one of {list(choices)}"
+    return check
+
+
+INF = math.inf
+# Ranges of the run config's values, checked before a launch writes anything (`check_run_config`). Lightning, timm
+# and torch refuse most of these too, but only once training has started, and with a traceback.
+RUN_CONFIG_RULES: dict[str, Any] = {
+    "seed": _number(0, 2**32 - 1, integer=True),
+    "trainer.max_epochs": lambda v: None if v == -1 else _number(1, INF, integer=True)(v),  # -1: by max_steps
+    "trainer.accumulate_grad_batches": _number(1, INF, integer=True),
+    "trainer.gradient_clip_val": _number(0, INF, allow_null=True),
+    "trainer.check_val_every_n_epoch": _number(1, INF, integer=True),
+    "data.batch_size": _number(1, INF, integer=True),
+    "data.num_workers": _number(0, INF, integer=True),
+    "optim.lr": _number(0, INF, low_open=True, high_open=True),
+    "optim.lr_base_batch": _number(0, INF, low_open=True, high_open=True, allow_null=True),
+    "optim.weight_decay": _number(0, INF, high_open=True),
+    "sched.warmup_epochs": _number(0, INF, high_open=True),
+    "sched.warmup_lr": _number(0, INF, high_open=True),
+    "sched.min_lr": _number(0, INF, high_open=True),
+    "loss.smoothing": _number(0, 1, high_open=True),
+    "loss.jasmin.weight": _number(0, INF, high_open=True),
+    "loss.jasmin.reduce": _one_of("mean", "max"),
+    "mixup.mixup_alpha": _number(0, INF, high_open=True),
+    "mixup.cutmix_alpha": _number(0, INF, high_open=True),
+    "mixup.prob": _number(0, 1),
+    "mixup.switch_prob": _number(0, 1),
+    "ema.decay": _number(0, 1),
+    "ckpt.every_n_train_steps": _number(1, INF, integer=True, allow_null=True),
+    "ckpt.keep": _number(0, INF, integer=True),
+    # best.ckpt keeps the highest value, so only accuracies can be monitored
+    "ckpt.monitor": _one_of("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3", "val_ema/top5"),
+    "transfer.mode": _one_of("finetune", "linear"),
+}
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` naming the first value of `cfg` outside `RUN_CONFIG_RULES` (and an unknown optimizer, an
+    empty `output_dir`, EMA metrics monitored without EMA)."""
+    from .errors import ConfigError
+
+    for key, check in RUN_CONFIG_RULES.items():
+        value = OmegaConf.select(cfg, key, default="<absent>")
+        if value == "<absent>":
+            continue
+        expected = check(value)
+        if expected:
+            raise ConfigError(f"{key}={value!r} is not valid: expected {expected}")
+    from timm.optim import list_optimizers
+
+    if str(cfg.optim.opt).lower() not in list_optimizers():
+        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer (e.g. adamw, sgd, lamb)")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError("output_dir is empty: give the run a folder (default runs/<name>)")
+    if str(cfg.ckpt.monitor).startswith("val_ema/") and not cfg.ema.enabled:
+        raise ConfigError(f"ckpt.monitor={cfg.ckpt.monitor} needs ema.enabled=true")

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 
 from ssogvit.models.maps import record_attention
 
+from .errors import NonFiniteError
 from .losses import attention_penalty, jasmin_options, topk_correct
+from .resume import rng_state, set_rng_state
 
 __all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
 
@@ -82,6 +84,7 @@ class ClassificationModule(pl.LightningModule):
             from timm.utils import ModelEmaV3
 
             self.ema = ModelEmaV3(self.model, decay=float(ema.get("decay", 0.9999)))
+        self.saving_resumable = False  # set by `save_resumable` around the saves a resume may use
 
     # transfer -----------------------------------------------------------------------------------------------------
     def _load_source(self, path: str, *, use_ema: bool) -> None:
@@ -96,6 +99,24 @@ class ClassificationModule(pl.LightningModule):
         if self.linear_probe:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
+
+    # checkpoints: exact resume ----------------------------------------------------------------------------------------
+    # Every checkpoint carries the RNG states, and says whether a resume may use it (`ssogvit.train.resume`).
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        bad = [k for k, v in checkpoint["state_dict"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise NonFiniteError(f"the weights became non-finite ({bad[0]}, ...) at epoch {self.current_epoch}, step "
+                                 f"{self.global_step}: the run diverged (lower optim.lr?) and was stopped; no "
+                                 f"checkpoint of it was written")
+        checkpoint["ssogvit"] = {"resumable": self.saving_resumable, "rng": rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores the module before it creates the first training iterator (which draws the workers' base
+        # seed, then the shuffle's): from here on a resumed launch draws what the uninterrupted run drew after the
+        # checkpoint. The sanity-check validation runs with its own isolated RNG.
+        state = (checkpoint.get("ssogvit") or {}).get("rng")
+        if state is not None:
+            set_rng_state(state)
 
     def on_train_epoch_start(self) -> None:
         if self.linear_probe:  # frozen backbone: no drop path, features as at evaluation
@@ -125,6 +146,10 @@ class ClassificationModule(pl.LightningModule):
             reg = attention_penalty(attns, **self.jasmin_options)
             self.log("train/jasmin", reg, on_step=False, on_epoch=True, batch_size=bsz)
             loss = loss + self.jasmin_weight * reg
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"the training loss is {float(loss)} at epoch {self.current_epoch}, step "
+                                 f"{self.global_step}: the run diverged (lower optim.lr?) and was stopped; "
+                                 f"nothing of it was exported")
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=bsz)
         with torch.no_grad():  # accuracy against the original labels (under mixup: of the mixed image)
             for k, n in topk_correct(logits.detach(), y_hard, TOPK).items():
