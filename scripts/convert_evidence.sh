@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Evidence for docs/conversion.md: the digits teacher, then (per seed) the SSoG model trained from scratch with the
 # full recipe and each conversion recipe, validated every 11 optimizer steps (half an epoch at batch 64).
-#   scripts/convert_evidence.sh teacher|scratch|convert RECIPE [SEEDS...]     (ROOT=/tmp/i13 by default)
+#   scripts/convert_evidence.sh teacher|scratch|convert [SEEDS...]   (ROOT=/tmp/i13, RECIPES='blocks logits progressive')
 # Each step is one short process with one torch thread; run the parts side by side at most two at a time.
 set -euo pipefail
 ROOT=${ROOT:-/tmp/i13}
@@ -19,10 +19,12 @@ case $what in
         +trainer.val_check_interval=11 export.safetensors=false
     done ;;
   convert)
-    recipe=$1; shift
     for seed in "${@:-0 1 2}"; do
-      $PY -m ssogvit convert --teacher $ROOT/teacher/export/model.safetensors --out $ROOT/convert/$recipe/s$seed \
-        convert.recipe=$recipe seed=$seed trainer.enable_progress_bar=false +trainer.val_check_interval=11
+      for recipe in ${RECIPES:-blocks logits progressive}; do
+        $PY -m ssogvit convert --teacher $ROOT/teacher/export/model.safetensors --out $ROOT/convert/$recipe/s$seed \
+          convert.recipe=$recipe seed=$seed data.num_workers=0 trainer.enable_progress_bar=false \
+          +trainer.val_check_interval=11
+      done
     done ;;
   *) echo "unknown part $what" >&2; exit 2 ;;
 esac

@@ -204,10 +204,19 @@ def test_convert_cli_end_to_end(teacher_file, tmp_path):
     from_ckpt = load_model(out / "checkpoints" / "last.ckpt")
     x = torch.randn(2, 1, 16, 16)
     torch.testing.assert_close(from_ckpt(x), student(x), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_convert_cli_resumes(teacher_file, tmp_path):
+    out = tmp_path / "run"
+    assert _cli("--teacher", str(teacher_file), "--out", str(out), *TINY).returncode == 0
+    fit_report = (out / "fit" / "report.md").read_text()
     # the same folder again resumes from last.ckpt (one more epoch) instead of starting over
     res = _cli("--teacher", str(teacher_file), "--out", str(out), *TINY[:3], "trainer.max_epochs=2", *TINY[4:])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resum" in (res.stdout + res.stderr).lower()
+    assert "resuming from" in res.stdout and str(out / "checkpoints" / "last.ckpt") in res.stdout
+    assert (out / "fit" / "report.md").read_text() == fit_report  # the fit is not redone over the resumed fields
+    assert len(list((out / "logs").glob("version_*"))) == 2
 
 
 def test_convert_cli_bad_input(teacher_file, tmp_path):
@@ -225,3 +234,15 @@ def test_convert_cli_bad_input(teacher_file, tmp_path):
     res = _cli("--teacher", str(teacher_file), "--out", str(kept), *TINY)
     assert res.returncode == 2 and "already holds files" in res.stderr
     assert (kept / "notes.txt").read_text() == "mine" and sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
+def test_steered_fit_moves_the_steering_maps():
+    teacher = tiny_teacher()
+    student = build_student(teacher, mixer="ssog-steered", gate_init=-2.0)
+    before = copy.deepcopy(student.state_dict())
+    fit = fit_fields(teacher, student, torch.randn(3, 1, 16, 16), steps=5)
+    assert all(torch.isfinite(torch.tensor(r["kl"])) and r["kl"] >= 0 for r in fit.rows)
+    for i in range(2):
+        for name in ("mu_steer.weight", "sigma_steer.weight", "lambda_steer.weight", "alpha_mu", "mu"):
+            key = f"blocks.{i}.attn.{name}"
+            assert not torch.equal(student.state_dict()[key], before[key]), key

@@ -93,7 +93,6 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     c = OmegaConf.to_container(cfg.convert, resolve=True)
     if not c.get("teacher"):
         raise ValueError("no teacher: pass --teacher PATH (convert.teacher)")
-    out, resume = output_folder(cfg)
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     teacher = load_teacher(c["teacher"], timm_model=c["timm_model"], timm_kwargs=c["timm_kwargs"],
                            use_ema=bool(c["use_ema"]))
@@ -101,6 +100,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     dm.prepare_data()
     _check_data(teacher, dm)
+    out, resume = output_folder(cfg)
 
     fit_summary = None
     if resume is None:  # a resumed run takes its fields from the checkpoint
@@ -124,6 +124,8 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     trainer = build_trainer(cfg, out)
     if trainer.is_global_zero:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        if verbose and resume:
+            print(f"resuming from {resume} (fields, weights and optimizer state from the checkpoint)")
     trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
