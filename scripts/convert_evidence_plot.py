@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 from pathlib import Path
 
 
@@ -53,7 +52,7 @@ def main() -> None:
         curves = [c for c in (curve(r) for r in runs) if c]
         if not curves:
             continue
-        steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
+        steps = sorted(set.intersection(*({s for s, _ in c} for c in curves)))
         table = [dict(c) for c in curves]
         mean = [sum(t[s] for t in table) / len(table) for s in steps]
         ax.plot(steps, mean, label=f"{label} ({len(curves)} seeds)")

@@ -20,7 +20,8 @@ def convert_main(argv: list[str]) -> int:
     )
     parser.add_argument("--teacher", required=True, help="teacher .ckpt / .safetensors (or timm weights file)")
     parser.add_argument("--timm-model", default=None, help="the teacher is this timm model (weights from --teacher)")
-    parser.add_argument("--timm-kwargs", default=None, help='JSON of timm.create_model arguments, e.g. \'{"num_classes": 10}\'')
+    parser.add_argument("--timm-kwargs", default=None,
+                        help='JSON of timm.create_model arguments, e.g. \'{"num_classes": 10}\'')
     parser.add_argument("--calib", default=None, help="folder of calibration images (default: training images)")
     parser.add_argument("--out", default=None, help="output folder (default runs/<name>)")
     parser.add_argument("--print-config", action="store_true", help="print the composed config and exit")

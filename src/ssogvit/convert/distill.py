@@ -26,7 +26,7 @@ from ssogvit.train.losses import topk_correct
 
 from .student import record_block_outputs, record_mixer_inputs
 
-__all__ = ["RECIPES", "DEFAULT_RECIPE", "ConversionModule", "relative_error"]
+__all__ = ["DEFAULT_RECIPE", "RECIPES", "ConversionModule", "relative_error"]
 
 RECIPES = ("logits", "blocks", "progressive")
 DEFAULT_RECIPE = "blocks"
@@ -163,7 +163,7 @@ class ConversionModule(pl.LightningModule):
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        warmup = int(round(float(sched.get("warmup_epochs", 0)) * total / epochs))
+        warmup = round(float(sched.get("warmup_epochs", 0)) * total / epochs)
         scheduler = CosineLRScheduler(
             optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
             warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,

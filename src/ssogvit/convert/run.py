@@ -22,7 +22,7 @@ from .distill import ConversionModule
 from .fit import fit_fields, format_report, plot_fit
 from .student import build_student, load_teacher, teacher_grid
 
-__all__ = ["convert", "output_folder", "calibration_images", "IMAGE_SUFFIXES"]
+__all__ = ["IMAGE_SUFFIXES", "calibration_images", "convert", "output_folder"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 

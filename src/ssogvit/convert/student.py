@@ -22,8 +22,15 @@ from ssogvit.layers import SSoGAttention
 from ssogvit.timm_compat import ssogify
 
 __all__ = [
-    "ARCHITECTURE_KEYS", "load_teacher", "check_teacher", "build_student", "teacher_grid", "record_mixer_inputs",
-    "record_block_outputs", "attention_probs", "load_converted",
+    "ARCHITECTURE_KEYS",
+    "attention_probs",
+    "build_student",
+    "check_teacher",
+    "load_converted",
+    "load_teacher",
+    "record_block_outputs",
+    "record_mixer_inputs",
+    "teacher_grid",
 ]
 
 #: options that would change the architecture; conversion keeps the teacher's
@@ -136,7 +143,8 @@ def build_student(teacher: nn.Module, *, mixer: str = "ssog", **mixer_options: A
         raise ValueError(f"conversion keeps the teacher's architecture; cannot set {changed} (the teacher has {have})")
     carried = ssogify(copy.deepcopy(teacher), mixer=mixer, **mixer_options)
     if not hasattr(teacher, "config"):  # timm: the ssogified copy is the student
-        carried.config_timm = {**getattr(teacher, "config_timm", {}), "mixer": mixer, "mixer_options": dict(mixer_options)}
+        recipe = {"mixer": mixer, "mixer_options": dict(mixer_options)}
+        carried.config_timm = {**getattr(teacher, "config_timm", {}), **recipe}
         return carried.train(teacher.training)
     from ssogvit.train.module import build_model
 
