@@ -232,15 +232,34 @@ def test_convert_cli_bad_input(teacher_file, tmp_path):
     empty.mkdir()
     res = _cli("--teacher", str(teacher_file), "--out", str(tmp_path / "a"), "--calib", str(empty), *TINY)
     assert res.returncode == 2 and "holds no images" in res.stderr and "Traceback" not in res.stderr
-    res = _cli("--teacher", str(teacher_file), "--out", str(tmp_path / "b"), "data.img_size=32", *TINY[1:])
-    assert res.returncode == 2 and "grid is 4x4" in res.stderr and "Traceback" not in res.stderr
-    res = _cli("--teacher", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "c"), *TINY)
-    assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def _config(teacher, out, *overrides):
+    from omegaconf import OmegaConf
+
+    from ssogvit.train.config import compose
+
+    cfg = compose([*TINY, *overrides], config_name="convert")
+    OmegaConf.update(cfg, "convert.teacher", str(teacher))
+    OmegaConf.update(cfg, "output_dir", str(out))
+    return cfg
+
+
+def test_convert_refuses_bad_input(teacher_file, tmp_path):
+    from ssogvit.convert import convert
+    from ssogvit.train.io import CheckpointError
+
+    with pytest.raises(ValueError, match=r"teacher's grid is 4x4.*give 8x8.*data.img_size=16"):
+        convert(_config(teacher_file, tmp_path / "b", "data.img_size=32"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert(_config(tmp_path / "missing.safetensors", tmp_path / "c"))
+    with pytest.raises(ValueError, match="unknown conversion recipe 'fast'"):
+        convert(_config(teacher_file, tmp_path / "d", "convert.recipe=fast"))
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    res = _cli("--teacher", str(teacher_file), "--out", str(kept), *TINY)
-    assert res.returncode == 2 and "already holds files" in res.stderr
+    with pytest.raises(ValueError, match="already holds files"):
+        convert(_config(teacher_file, kept))
     assert (kept / "notes.txt").read_text() == "mine" and sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .distill import ConversionModule
+from .distill import RECIPES, ConversionModule
 from .fit import fit_fields, format_report, plot_fit
 from .student import build_student, load_teacher, teacher_grid
 
@@ -93,6 +93,8 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     c = OmegaConf.to_container(cfg.convert, resolve=True)
     if not c.get("teacher"):
         raise ValueError("no teacher: pass --teacher PATH (convert.teacher)")
+    if c["recipe"] not in RECIPES:
+        raise ValueError(f"unknown conversion recipe {c['recipe']!r}; expected one of {RECIPES}")
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     teacher = load_teacher(c["teacher"], timm_model=c["timm_model"], timm_kwargs=c["timm_kwargs"],
                            use_ema=bool(c["use_ema"]))
