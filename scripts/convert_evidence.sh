@@ -21,9 +21,10 @@ case $what in
   convert)
     for seed in "${@:-0 1 2}"; do
       for recipe in ${RECIPES:-blocks logits progressive}; do
-        $PY -m ssogvit convert --teacher $ROOT/teacher/export/model.safetensors --out $ROOT/convert/$recipe/s$seed \
-          convert.recipe=$recipe seed=$seed data.num_workers=0 trainer.enable_progress_bar=false \
-          +trainer.val_check_interval=11
+        # TAG names a variant given by the overrides in EXTRA (e.g. TAG=_fieldlr30 EXTRA=convert.field_lr_scale=30)
+        $PY -m ssogvit convert --teacher $ROOT/teacher/export/model.safetensors \
+          --out $ROOT/convert/$recipe${TAG:-}/s$seed convert.recipe=$recipe seed=$seed data.num_workers=0 \
+          trainer.enable_progress_bar=false +trainer.val_check_interval=11 ${EXTRA:-}
       done
     done ;;
   *) echo "unknown part $what" >&2; exit 2 ;;

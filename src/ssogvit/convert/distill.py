@@ -57,7 +57,7 @@ class ConversionModule(pl.LightningModule):
         recipe: ``optim`` (``opt``, ``lr``, ``lr_base_batch``, ``weight_decay``, ``betas``, ``eps``), ``sched``
             (``warmup_epochs``, ``warmup_lr``, ``min_lr``), ``batch_size``, ``smoothing``.
         distill: ``recipe`` (one of ``RECIPES``), ``temperature``, ``kd_weight``, ``feature_weight``,
-            ``steps_per_block`` (progressive).
+            ``steps_per_block`` (progressive), ``field_lr_scale`` (learning rate of the fields over the rest's).
         hparams: stored in checkpoints as they are (the conversion's config, the student's ``model_config``).
     """
 
@@ -150,6 +150,23 @@ class ConversionModule(pl.LightningModule):
         self._eval_step(batch, "test")
 
     # optimisation -------------------------------------------------------------------------------------------------
+    def _param_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+        """Weight decay on matrices only; the Gaussian fields (``mu, rho, ell, theta`` and the steering gates) without
+        it, at ``field_lr_scale`` times the learning rate (Adam moves a parameter by about the learning rate per step,
+        so at 1e-3 a field fitted wide could not narrow within a short conversion)."""
+        decay, no_decay, fields = [], [], []
+        for name, p in self.model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("mu", "rho", "ell", "theta") or leaf.startswith("alpha_"):
+                fields.append(p)
+            elif p.ndim <= 1 or leaf in ("pos_embed", "cls_token", "reg_token"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        scale = float(self.distill.get("field_lr_scale", 1.0))
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0},
+                {"params": fields, "weight_decay": 0.0, "lr": lr * scale}]
+
     def configure_optimizers(self):
         from timm.optim import create_optimizer_v2
         from timm.scheduler import CosineLRScheduler
@@ -158,8 +175,8 @@ class ConversionModule(pl.LightningModule):
         global_batch = int(self.recipe["batch_size"]) * self.trainer.world_size * self.trainer.accumulate_grad_batches
         lr = float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
         optimizer = create_optimizer_v2(
-            self.model, opt=optim.get("opt", "adamw"), lr=lr, weight_decay=float(optim["weight_decay"]),
-            betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)), filter_bias_and_bn=True,
+            self._param_groups(lr, float(optim["weight_decay"])), opt=optim.get("opt", "adamw"), lr=lr,
+            weight_decay=0.0, betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)),
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1

@@ -120,7 +120,8 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     recipe = OmegaConf.to_container(cfg, resolve=True)
     recipe = {"optim": recipe["optim"], "sched": recipe["sched"], "batch_size": int(cfg.data.batch_size),
               "smoothing": float(cfg.loss.smoothing)}
-    distill = {k: c[k] for k in ("recipe", "temperature", "kd_weight", "feature_weight", "steps_per_block")}
+    distill = {k: c[k] for k in ("recipe", "temperature", "kd_weight", "feature_weight", "steps_per_block",
+                                 "field_lr_scale")}
     module = ConversionModule(student, teacher, recipe=recipe, distill=distill,
                               hparams={"model_config": model_config, "convert": c})
     trainer = build_trainer(cfg, out)
