@@ -273,3 +273,14 @@ def test_steered_fit_moves_the_steering_maps():
         for name in ("mu_steer.weight", "sigma_steer.weight", "lambda_steer.weight", "alpha_mu", "mu"):
             key = f"blocks.{i}.attn.{name}"
             assert not torch.equal(student.state_dict()[key], before[key]), key
+
+
+def test_fields_train_at_their_own_learning_rate_without_weight_decay():
+    student = build_student(tiny_teacher())
+    module = ConversionModule(student, tiny_teacher(), recipe={}, distill={"recipe": "blocks", "field_lr_scale": 30})
+    decay, no_decay, fields = module._param_groups(1e-3, 0.05)
+    names = {id(p): n for n, p in student.named_parameters()}
+    assert fields["lr"] == pytest.approx(3e-2) and fields["weight_decay"] == 0.0
+    assert sorted({names[id(p)].rsplit(".", 1)[-1] for p in fields["params"]}) == ["ell", "mu", "rho", "theta"]
+    assert all(p.ndim >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.05
+    assert len(decay["params"]) + len(no_decay["params"]) + len(fields["params"]) == len(names)
