@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/i13")
     parser.add_argument("--teacher-top1", type=float, required=True)
     parser.add_argument("--png", default="docs/img/conversion_steps.png")
+    parser.add_argument("--at", type=int, default=132, help="also report the mean top-1 after this many steps")
     args = parser.parse_args()
     root, target = Path(args.root), args.teacher_top1 - 1.0
     groups = {"from scratch": sorted((root / "scratch").glob("s*"))}
@@ -45,9 +46,9 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
     print(f"target: teacher {args.teacher_top1:.2f}% - 1 = {target:.2f}%\n")
-    print("| run | seeds | steps run | final top-1 (mean, min-max) | best top-1 (mean) | steps to target per seed | "
-          "steps to target (mean curve) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| run | seeds | steps run | top-1 after {args.at} steps (mean) | final top-1 (mean, min-max) | "
+          "best top-1 (mean) | steps to target per seed | steps to target (mean curve) |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, runs in groups.items():
         curves = [c for c in (curve(r) for r in runs) if c]
         if not curves:
@@ -61,7 +62,8 @@ def main() -> None:
         finals = [c[-1][1] for c in curves]
         reach = [first_reach(c, target) for c in curves]
         mean_reach = first_reach(list(zip(steps, mean)), target)
-        print(f"| {label} | {len(curves)} | {curves[0][-1][0]} | {sum(finals) / len(finals):.2f} "
+        at = f"{mean[steps.index(args.at)]:.2f}" if args.at in steps else "n/a"
+        print(f"| {label} | {len(curves)} | {curves[0][-1][0]} | {at} | {sum(finals) / len(finals):.2f} "
               f"({min(finals):.2f}-{max(finals):.2f}) | {sum(max(v for _, v in c) for c in curves) / len(curves):.2f} "
               f"| {', '.join('not reached' if r is None else str(r) for r in reach)} "
               f"| {'not reached' if mean_reach is None else mean_reach} |")
