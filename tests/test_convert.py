@@ -284,3 +284,31 @@ def test_fields_train_at_their_own_learning_rate_without_weight_decay():
     assert sorted({names[id(p)].rsplit(".", 1)[-1] for p in fields["params"]}) == ["ell", "mu", "rho", "theta"]
     assert all(p.ndim >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.05
     assert len(decay["params"]) + len(no_decay["params"]) + len(fields["params"]) == len(names)
+
+
+@pytest.mark.parametrize("family", ["looped", "ode"])
+def test_looped_and_ode_teachers_convert_to_their_own_family(family):
+    """One shared block: converted once, its field fitted to all its calls, and the recipes that apply train it."""
+    teacher = create_model(f"{family}-tiny-mha", embed_dim=16, num_heads=2, depth=2, img_size=16, patch_size=4,
+                           in_chans=1, num_classes=10).eval()
+    student = build_student(teacher)
+    assert student.config["name"] == f"{family}-tiny-ssog" and student.depth == teacher.depth
+    block, teacher_block = student.blocks.block, teacher.blocks.block
+    torch.testing.assert_close(block.attn.v.weight, teacher_block.attn.qkv.weight[32:], atol=0, rtol=0)
+    before = block.attn.mu.detach().clone()
+    fit = fit_fields(teacher, student, torch.randn(4, 1, 16, 16), steps=3)
+    assert {row["block"] for row in fit.rows} == {0} and not torch.equal(before, block.attn.mu)
+    module = ConversionModule(
+        student, teacher, recipe={"optim": {"lr": 1e-2, "weight_decay": 0.05}, "sched": {}, "batch_size": 8,
+                                  "smoothing": 0.0},
+        distill={"recipe": "blocks", "temperature": 1.0, "kd_weight": 1.0, "feature_weight": 1.0},
+    )
+    import lightning.pytorch as pl
+
+    start = copy.deepcopy(student.state_dict())
+    data = DataLoader(TensorDataset(torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,))), batch_size=8)
+    pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0).fit(module, train_dataloaders=data)
+    assert not torch.equal(start["blocks.0.attn.mu"], student.state_dict()["blocks.0.attn.mu"])
+    with pytest.raises(ValueError, match="progressive replacement needs a discrete ViT"):
+        ConversionModule(student, teacher, recipe={}, distill={"recipe": "progressive"})

@@ -178,3 +178,16 @@ def test_float16_fixed_mixer_matches_float32_where_float16_positions_stop_being_
         want = mixer(x, grid=(1, 4096))
         got = mixer.half()(x.half(), grid=(1, 4096))
     assert _relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["vit", "looped", "ode"])
+def test_ssogify_converts_each_shared_block_of_our_own_families_once(family):
+    model = ssogvit.create_model(f"{family}-tiny-mha", embed_dim=32, num_heads=2, depth=3, img_size=16, patch_size=4,
+                                 num_classes=3).eval()
+    qkv = {id(b): b.attn.qkv.weight.detach().clone() for b in ssogvit.timm_compat.unique_blocks(model)}
+    assert len(qkv) == (3 if family == "vit" else 1)
+    ssogvit.ssogify(model)
+    for block in ssogvit.timm_compat.unique_blocks(model):
+        assert isinstance(block.attn, TimmSSoGAttention)
+        assert torch.equal(block.attn.v.weight, qkv[id(block)][64:])
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 3)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
 
-__all__ = ["ssogify", "TimmSSoGAttention"]
+__all__ = ["ssogify", "TimmSSoGAttention", "unique_blocks"]
 
 #: attention classes whose whole forward is known: qkv -> (q/k norms) -> softmax attention -> proj -> dropout
 _CARRIED_CLASSES = (TimmAttention, Attention)
@@ -142,6 +142,14 @@ def _model_cannot_carry(model: nn.Module) -> list[str]:
     return problems
 
 
+def unique_blocks(model: nn.Module) -> list[nn.Module]:
+    """The distinct block modules of ``model.blocks``, in order. A looped or ODE model of ours presents its one shared
+    block (``model.blocks.block``) as ``depth`` applications; each block must be converted (or hooked) once."""
+    shared = getattr(model.blocks, "block", None)
+    blocks = [shared] if isinstance(shared, nn.Module) else list(model.blocks)
+    return list({id(b): b for b in blocks}.values())
+
+
 def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True, **options: Any) -> nn.Module:
     """Replace the attention of every block of a timm ``VisionTransformer`` by SSoG, in place.
 
@@ -174,7 +182,7 @@ def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True,
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise ValueError("ssogify expects a timm VisionTransformer (with .patch_embed and .blocks)")
     problems = [f"the model: {p}" for p in _model_cannot_carry(model)]
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(unique_blocks(model)):
         old = getattr(block, "attn", None)
         if old is None:
             problems.append(f"block {i} ({type(block).__name__}): no .attn to replace")
@@ -186,7 +194,7 @@ def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True,
     tracker = _GridTracker()
     model.patch_embed.register_forward_hook(tracker)
     prefix = getattr(model, "num_prefix_tokens", None)
-    for block in model.blocks:
+    for block in unique_blocks(model):
         old = block.attn
         dim = old.qkv.in_features
         new = TimmSSoGAttention(

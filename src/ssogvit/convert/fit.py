@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.timm_compat import unique_blocks
+
 from .student import attention_probs, record_mixer_inputs, teacher_grid
 
 __all__ = ["FitResult", "field_parameters", "fit_fields", "fit_mixer", "format_report", "plot_fit"]
@@ -110,7 +112,7 @@ def _teacher_calls(teacher: nn.Module, images: Tensor) -> dict[int, list[tuple[T
         teacher(images)
     calls: dict[int, list[tuple[Tensor, Tensor]]] = defaultdict(list)
     for i, x in records:
-        calls[i].append((x, attention_probs(teacher.blocks[i].attn, x)))
+        calls[i].append((x, attention_probs(unique_blocks(teacher)[i].attn, x)))
     return calls
 
 
@@ -139,7 +141,7 @@ def fit_fields(teacher: nn.Module, student: nn.Module, images: Tensor, *, steps:
             raise ValueError(f"block {i} sees {rows.shape[-1]} tokens, expected {p} prefix + {n} patches")
         prefix_mass = rows[..., :p].sum(-1)  # (B', H, N)
         target = rows[..., p:] / rows[..., p:].sum(-1, keepdim=True)
-        mixer = student.blocks[i].attn
+        mixer = unique_blocks(student)[i].attn
         fit_mixer(mixer, x, target, grid, steps=steps, lr=lr)
         with torch.no_grad():
             fitted = _patch_matrix(copy.deepcopy(mixer).double(), x, grid).expand_as(target)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ssogvit.layers import SSoGAttention
-from ssogvit.timm_compat import ssogify
+from ssogvit.timm_compat import ssogify, unique_blocks
 
 __all__ = [
     "ARCHITECTURE_KEYS",
@@ -98,10 +98,11 @@ def check_teacher(teacher: nn.Module) -> None:
     if not hasattr(teacher, "patch_embed") or not hasattr(teacher, "blocks") or not hasattr(teacher, "forward_head"):
         raise ValueError(f"the teacher ({type(teacher).__name__}) is not a Vision Transformer: conversion needs "
                          "patch_embed, blocks[i].attn and forward_features/forward_head (a ViT of ours or timm's)")
-    kinds = {type(getattr(b, "attn", None)).__name__ for b in teacher.blocks}
-    if any(isinstance(getattr(b, "attn", None), SSoGAttention) for b in teacher.blocks):
+    blocks = unique_blocks(teacher)
+    kinds = {type(getattr(b, "attn", None)).__name__ for b in blocks}
+    if any(isinstance(getattr(b, "attn", None), SSoGAttention) for b in blocks):
         raise ValueError("the teacher already mixes with SSoG; conversion starts from a multi-head-attention ViT")
-    if not all(isinstance(getattr(getattr(b, "attn", None), "qkv", None), nn.Linear) for b in teacher.blocks):
+    if not all(isinstance(getattr(getattr(b, "attn", None), "qkv", None), nn.Linear) for b in blocks):
         raise ValueError(f"the teacher's blocks have no multi-head attention with a fused qkv projection "
                          f"(attention classes found: {sorted(kinds)})")
 
@@ -186,7 +187,7 @@ def record_mixer_inputs(model: nn.Module) -> Iterator[list[tuple[int, Tensor]]]:
     records: list[tuple[int, Tensor]] = []
     handles = [
         block.attn.register_forward_pre_hook(lambda mod, args, i=i: records.append((i, args[0])))
-        for i, block in enumerate(model.blocks)
+        for i, block in enumerate(unique_blocks(model))
     ]
     try:
         yield records
@@ -204,7 +205,7 @@ def record_block_outputs(model: nn.Module) -> Iterator[list[Tensor]]:
     def hook(mod: nn.Module, args: tuple, out: Any) -> None:
         records.append(out[0] if isinstance(out, tuple) else out)  # ours return (tokens, attn), timm's tokens
 
-    handles = [block.register_forward_hook(hook) for block in model.blocks]
+    handles = [block.register_forward_hook(hook) for block in unique_blocks(model)]
     try:
         yield records
     finally:
