@@ -123,7 +123,7 @@ class ClassificationDataModule(pl.LightningDataModule):
             shuffle=train,
             drop_last=train and self.drop_last,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=False,  # fresh workers each epoch, seeded from the (checkpointed) torch RNG: exact resume
             pin_memory=self.pin_memory,
         )
 

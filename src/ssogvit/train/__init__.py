@@ -1,11 +1,13 @@
 """Training pipeline: Lightning module, Hydra configs, checkpoints (`io.load_model`), the main job and the CLI."""
 
-from .io import CheckpointError, export_safetensors, load_model, read_model_config, read_state_dict
+from .errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
+from .io import export_safetensors, load_model, read_model_config, read_state_dict
 from .losses import jasmin_penalty, jasmin_row_norm, topk_correct
 from .module import ClassificationModule, build_model, count_parameters
 
 __all__ = [
-    "CheckpointError", "ClassificationModule", "build_model", "count_parameters", "export_safetensors",
+    "CheckpointError", "ConfigError", "NonFiniteError", "RunFolderError", "TrainError", "ClassificationModule",
+    "build_model", "count_parameters", "export_safetensors",
     "jasmin_penalty", "jasmin_row_norm", "load_model", "read_model_config", "read_state_dict", "topk_correct",
     "compose", "train",
 ]

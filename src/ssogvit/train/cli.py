@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate"]
+__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors"]
 
 TRAIN_HELP = """usage: ssogvit train [--print-config] [OVERRIDE ...]
 
@@ -17,8 +17,32 @@ Train a model. OVERRIDEs use Hydra syntax against the packaged config (ssogvit/c
   data.root=/path  data.batch_size=64  trainer.max_epochs=10  trainer.devices=8  trainer.strategy=ddp
   model.size=small  model.mixer=ssog-steered  +model.kwargs.radius=2  loss.jasmin.weight=0.1
   output_dir=runs/x  resume=auto|null|<path>  seed=42
-Runs write to output_dir (default runs/<name>): config.yaml, checkpoints/, logs/, tb/, export/.
+Runs write to output_dir (default runs/<name>): config.yaml, checkpoints/, logs/, tb/, export/. A folder belongs
+to one run: a launch into a folder that holds a finished or different run is refused; the unfinished run of the
+same config is resumed from its last epoch-end checkpoint (resume=auto, the default). Paths may hold any character.
 """
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ssogvit.data import DataError
+
+    from .errors import TrainError
+
+    return TrainError, DataError, HydraException, OmegaConfBaseException
+
+
+def report_errors(prog: str, run) -> int:
+    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error."""
+    try:
+        return int(run() or 0)
+    except user_errors() as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        print(f"{prog}: " + " ".join(lines[:2]), file=sys.stderr)
+        return 2
 
 
 def _print_help_if_asked(argv: list[str], text: str) -> bool:
@@ -30,28 +54,50 @@ def _print_help_if_asked(argv: list[str], text: str) -> bool:
 
 def train_main(argv: list[str]) -> int:
     """`ssogvit train [--print-config] overrides...`"""
+    if _print_help_if_asked(argv, TRAIN_HELP):
+        return 0
+    return report_errors("ssogvit train", lambda: _train(argv))
+
+
+def _train(argv: list[str], *, fresh_output: bool = False) -> int:
+    from pathlib import Path
+
     from omegaconf import OmegaConf
 
     from .config import compose
-    from .io import CheckpointError
+    from .errors import ConfigError
     from .run import train
+    from .run_folder import fresh_folder
 
-    if _print_help_if_asked(argv, TRAIN_HELP):
-        return 0
-    print_only = "--print-config" in argv
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f != "--print-config" for f in flags):
+        raise ConfigError(f"unknown option {next(f for f in flags if f != '--print-config')}; options are Hydra "
+                          f"overrides key=value (see `ssogvit train --help`)")
     overrides = [a for a in argv if a != "--print-config"]
+    bare = [o for o in overrides if "=" not in o]
+    if bare:
+        raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
     cfg = compose(overrides)
-    if print_only:
+    if "--print-config" in argv:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
-    from ssogvit.data import DataError
-
-    try:
-        train(cfg)
-    except (CheckpointError, DataError) as err:
-        print(f"ssogvit train: {err}", file=sys.stderr)
-        return 1
+    if fresh_output:
+        out = fresh_folder(Path(str(cfg.output_dir)).expanduser())
+        if str(out) != str(Path(str(cfg.output_dir)).expanduser()):
+            print(f"{cfg.output_dir} holds another run; writing to {out}")
+        cfg.output_dir = str(out)
+    train(cfg)
     return 0
+
+
+def _source_tag(ckpt: str) -> str:
+    """A folder-name tag for a source checkpoint: its run folder and file stem (`digits_vit_ssog_best`)."""
+    import re
+    from pathlib import Path
+
+    path = Path(ckpt)
+    tag = f"{path.parent.parent.name}_{path.stem}" if path.parent.name in ("checkpoints", "export") else path.stem
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", tag).strip("_.") or "source"
 
 
 def transfer_main(argv: list[str]) -> int:
@@ -66,11 +112,14 @@ def transfer_main(argv: list[str]) -> int:
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights of the source checkpoint")
     args, overrides = parser.parse_known_args(argv)
     base = [f"transfer.ckpt={args.ckpt}", f"transfer.mode={args.mode}", f"transfer.use_ema={args.use_ema}"]
-    if not any(o.startswith("name=") for o in overrides):
-        base.append(f"name=transfer_{args.mode}_${{data.name}}")
+    if not any(o.startswith("name=") for o in overrides):  # two sources never share a run folder
+        base.append(f"name=transfer_{args.mode}_${{data.name}}_{_source_tag(args.ckpt)}")
     if args.mode == "linear" and not any(o.startswith("mixup.") for o in overrides):
         base += ["mixup.mixup_alpha=0.0", "mixup.cutmix_alpha=0.0"]
-    return train_main(base + overrides)
+    # Without an explicit output_dir a transfer picks a fresh folder (runs/<name>, runs/<name>-2, ...); with one, the
+    # folder rules of `ssogvit train` apply (resume its unfinished run, refuse a finished or different one).
+    fresh = not any(o.split("=", 1)[0].lstrip("+") == "output_dir" for o in overrides)
+    return report_errors("ssogvit transfer", lambda: _train(base + overrides, fresh_output=fresh))
 
 
 def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: bool = True) -> dict[str, float]:
@@ -107,23 +156,39 @@ def eval_main(argv: list[str]) -> int:
         "saved with the run, e.g. data.root=/elsewhere).",
     )
     parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--img-size", type=int, default=None, help="evaluate at this image size (dynamic resolution)")
-    parser.add_argument("--patch-size", type=int, default=None, help="convert the model to this patch size first")
+    parser.add_argument("--img-size", type=_positive_int, default=None,
+                        help="evaluate at this image size (dynamic resolution)")
+    parser.add_argument("--patch-size", type=_positive_int, default=None,
+                        help="convert the model to this patch size first")
     parser.add_argument("--rescale-field", action="store_true", help="with --patch-size: rescale mu, sigma by the grid ratio")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of a checkpoint")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
     args, overrides = parser.parse_known_args(argv)
+    return report_errors("ssogvit eval", lambda: _eval(args, overrides))
 
-    from .io import CheckpointError, load_model
 
-    try:
-        model = load_model(args.ckpt, use_ema=args.ema)
-    except CheckpointError as err:
-        print(f"ssogvit eval: {err}", file=sys.stderr)
-        return 1
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from .errors import ConfigError
+    from .io import load_model
+
+    other = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith("data") or "=" not in o]
+    if other:
+        raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "
+                          f"(data.root=... data.batch_size=...)")
+    model = load_model(args.ckpt, use_ema=args.ema)
     if args.patch_size:
-        model.set_patch_size(args.patch_size, rescale_field=args.rescale_field)
+        try:
+            model.set_patch_size(args.patch_size, rescale_field=args.rescale_field)
+        except ValueError as err:
+            raise ConfigError(f"--patch-size {args.patch_size}: {err}") from None
     dm = _datamodule_for(args.ckpt, overrides, img_size=args.img_size)
     result = evaluate(model, dm, device=args.device)
     patch = getattr(model, "patch_size", None)
@@ -152,7 +217,8 @@ def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
 
     from ssogvit.data import create_datamodule
 
-    from .config import compose
+    from .config import PATH_KEYS, compose
+    from .errors import ConfigError
 
     path = Path(ckpt)
     data = None
@@ -167,9 +233,13 @@ def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
         data = OmegaConf.to_container(compose(data_overrides).data, resolve=True)
     else:
         node = OmegaConf.create({"data": data})
+        OmegaConf.set_struct(node, True)  # a key the saved data config lacks is an error, not a silent addition
         for o in data_overrides:
             key, value = o.split("=", 1)
-            OmegaConf.update(node, key, _parse_value(value))
+            try:
+                OmegaConf.update(node, key.lstrip("+"), value if key.lstrip("+") in PATH_KEYS else _parse_value(value))
+            except Exception as err:  # noqa: BLE001 - OmegaConf's key and validation errors
+                raise ConfigError(f"cannot apply {o}: {str(err).splitlines()[0]}") from None
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size

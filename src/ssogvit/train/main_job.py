@@ -1,7 +1,8 @@
 """`ssogvit main`: train a small SSoG ViT and its MHA twin on the embedded digits data, then compare them.
 
 Both runs are the experiments `digits_vit_ssog` and `digits_vit_mha` (ssogvit/conf/experiment/), identical except
-for the mixer, each written to `<out>/<mixer>/` (checkpoints/, logs/, tb/, export/, config.yaml).
+for the mixer, each written to `<out>/<mixer>/` (checkpoints/, logs/, tb/, export/, config.yaml). `<out>` is always
+a fresh folder: when `--out` (or the default `runs/main/<date-time>`) already holds a run, `<out>-2`, `<out>-3`, ...
 """
 
 from __future__ import annotations
@@ -46,21 +47,30 @@ def main(argv: list[str]) -> int:
                         "thread that waits for a busy core slows every step down)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, overrides = parser.parse_known_args(argv)
+    from .cli import report_errors
 
+    return report_errors("ssogvit main", lambda: _run(parser, args, overrides))
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from .config import compose
     from .run import train
+    from .run_folder import fresh_folder
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    out = Path(args.out or Path("runs") / "main" / time.strftime("%Y%m%d-%H%M%S"))
+    asked = Path(args.out or Path("runs") / "main" / time.strftime("%Y%m%d-%H%M%S")).expanduser()
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     for m in mixers:
         if m not in ("ssog", "mha"):
             parser.error(f"unknown mixer {m!r}; choose from ssog, mha")
+    out = fresh_folder(asked, parts=tuple(mixers))  # never into a folder that holds a run
+    if out != asked:
+        print(f"ssogvit main: {asked} holds another run; writing to {out}")
 
     print(f"ssogvit main: SSoG vs its MHA twin on scikit-learn's digits (1438 train / 359 val images), "
           f"{torch.get_num_threads()} CPU threads; writing to {out}")

@@ -6,17 +6,23 @@ loads with `torch.load(weights_only=True)` and rebuilds its model without runnin
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Checkpoint
 from torch import Tensor, nn
 
+from .errors import NonFiniteError
 from .losses import jasmin_penalty, topk_correct
 
-__all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
+__all__ = ["ClassificationModule", "EpochEndCheckpoint", "build_model", "count_parameters", "rng_state",
+           "save_resumable", "set_rng_state", "TOPK"]
 
 TOPK = (1, 3, 5)
 
@@ -33,6 +39,49 @@ def build_model(model_config: Mapping[str, Any]) -> nn.Module:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch (CPU and CUDA), numpy and Python random states, as tensors and plain data (weights-only loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_resumable(trainer: pl.Trainer, path: str | Path) -> None:
+    """Save a checkpoint a resume may use (call it only at the end of a training epoch, or after `fit`)."""
+    module = trainer.lightning_module
+    module.saving_resumable = True
+    try:
+        trainer.save_checkpoint(path, weights_only=False)
+    finally:
+        module.saving_resumable = False
+
+
+class EpochEndCheckpoint(Checkpoint):
+    """Saves `path` (`last.ckpt`) at the end of every training epoch, after validation: the checkpoints that resume."""
+
+    monitor = None
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        save_resumable(trainer, self.path)
 
 
 class ClassificationModule(pl.LightningModule):
@@ -80,6 +129,7 @@ class ClassificationModule(pl.LightningModule):
             from timm.utils import ModelEmaV3
 
             self.ema = ModelEmaV3(self.model, decay=float(ema.get("decay", 0.9999)))
+        self.saving_resumable = False  # set by `save_resumable` around the saves a resume may use
 
     # transfer -----------------------------------------------------------------------------------------------------
     def _load_source(self, path: str, *, use_ema: bool) -> None:
@@ -94,6 +144,27 @@ class ClassificationModule(pl.LightningModule):
         if self.linear_probe:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
+
+    # checkpoints: exact resume ----------------------------------------------------------------------------------------
+    # A checkpoint can resume a run exactly only where the data order can be reproduced: at the end of a training
+    # epoch (the next epoch's shuffle is drawn from the torch RNG state saved with it). Those checkpoints
+    # (`save_resumable`) are marked `resumable`; mid-epoch and validation-time ones (step=*.ckpt, best.ckpt) are not
+    # (see docs/training.md).
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        bad = [k for k, v in checkpoint["state_dict"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise NonFiniteError(f"the weights became non-finite ({bad[0]}, ...) at epoch {self.current_epoch}, step "
+                                 f"{self.global_step}: the run diverged (lower optim.lr?) and was stopped; no "
+                                 f"checkpoint of it was written")
+        checkpoint["ssogvit"] = {"resumable": self.saving_resumable, "rng": rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores the module before it creates the first training iterator (which draws the workers' base
+        # seed, then the shuffle's): from here on a resumed launch draws what the uninterrupted run drew after the
+        # checkpoint. The sanity-check validation runs with its own isolated RNG.
+        state = (checkpoint.get("ssogvit") or {}).get("rng")
+        if state is not None:
+            set_rng_state(state)
 
     def on_train_epoch_start(self) -> None:
         if self.linear_probe:  # frozen backbone: no drop path, features as at evaluation
@@ -123,6 +194,10 @@ class ClassificationModule(pl.LightningModule):
             reg = jasmin_penalty(attns, self.jasmin_reduce)
             self.log("train/jasmin", reg, on_step=False, on_epoch=True, batch_size=bsz)
             loss = loss + self.jasmin_weight * reg
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"the training loss is {float(loss)} at epoch {self.current_epoch}, step "
+                                 f"{self.global_step}: the run diverged (lower optim.lr?) and was stopped; "
+                                 f"nothing of it was exported")
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=bsz)
         with torch.no_grad():  # accuracy against the original labels (under mixup: of the mixed image)
             for k, n in topk_correct(logits.detach(), y_hard, TOPK).items():

@@ -1,18 +1,21 @@
 """One training run from a composed config: data, model, Lightning trainer, checkpoints, export, summary.
 
-Layout of `<output_dir>` (default `runs/<name>`):
+Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`ssogvit.train.run_folder`):
 
     config.yaml                 the composed, resolved config of the run
-    checkpoints/last.ckpt       refreshed every `ckpt.every_n_train_steps` steps and at each epoch end (resume)
-    checkpoints/best.ckpt       best `ckpt.monitor` so far
-    checkpoints/step=*.ckpt     the `ckpt.keep` most recent periodic checkpoints
-    logs/version_*/metrics.csv  CSV log (one version per launch, resumed launches included)
+    run.json                    "running" or "finished" (after the final checkpoint and export)
+    .lock                       held by the live run (fcntl.flock, released by the OS when it exits or dies)
+    checkpoints/last.ckpt       the state at the end of each training epoch, and the final state: what resumes
+    checkpoints/best.ckpt       best `ckpt.monitor` so far (saved at validation; for evaluation, not for resuming)
+    checkpoints/step=*.ckpt     the `ckpt.keep` most recent mid-epoch snapshots (for evaluation, not for resuming)
+    logs/version_*/metrics.csv  CSV log (one version per launch; a resume drops the rows it will log again)
     tb/version_*/               TensorBoard log
     export/model.safetensors    final weights, config beside it in model.json (+ model_ema.* with EMA)
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -23,10 +26,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .config import model_config_from
-from .io import CheckpointError, atomic_checkpoint_io, check_checkpoint, export_safetensors, read_model_config
-from .module import ClassificationModule, count_parameters
+from .errors import CheckpointError, ConfigError, TrainError
+from .io import (atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_checkpoint,
+                 read_model_config)
+from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
+from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
-__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "format_summary"]
+__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "check_resumable",
+           "format_summary"]
+
+NO_RESUME = (None, False, "null", "none", "false")
 
 
 def resolve_precision(precision: Any, accelerator: str) -> str:
@@ -47,13 +56,38 @@ def build_datamodule(cfg: DictConfig):
 def resolve_resume(cfg: DictConfig, ckpt_dir: Path) -> str | None:
     """The checkpoint to resume from (`resume: auto` -> `last.ckpt` if present), checked to be readable."""
     resume = cfg.get("resume")
-    if resume in (None, False, "null", "none", "false"):
+    if resume in NO_RESUME:
         return None
     path = ckpt_dir / "last.ckpt" if resume == "auto" else Path(str(resume))
     if resume == "auto" and not path.exists():
         return None
     check_checkpoint(path)  # a clear CheckpointError naming the intact ones, instead of a zip error mid-restore
     return str(path)
+
+
+def _canonical(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint `path` as a dict if a run of `model_config` can resume from it exactly; `CheckpointError` if not.
+
+    Only checkpoints taken at the end of a training epoch (`last.ckpt`) are resumable: there the data order and the
+    random state of the next epoch are known. The tensors are memory-mapped, not read.
+    """
+    path = Path(path)
+    ckpt = read_checkpoint(path, mmap=True)
+    if not (ckpt.get("ssogvit") or {}).get("resumable"):
+        raise CheckpointError(f"{path} was not saved at the end of a training epoch, so a resume from it cannot "
+                              f"reproduce the data order; resume from {path.parent / 'last.ckpt'}, or start a new run "
+                              f"from its weights with `ssogvit transfer --ckpt {path} --mode finetune`")
+    saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
+    if _canonical(saved) != _canonical(model_config):
+        a, b = _canonical(saved) or {}, _canonical(model_config)
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise CheckpointError(f"{path} holds another model (model_config differs in {', '.join(keys)}); resume it "
+                              f"with the settings it was trained with, or write elsewhere with output_dir=<new folder>")
+    return ckpt
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None = None, loggers: bool = True):
@@ -65,15 +99,17 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
     ckpt_dir = output_dir / "checkpoints"
     every = cfg.ckpt.every_n_train_steps
+    # Each file is written to a temporary file in the same folder and renamed over the old one (atomic_checkpoint_io),
+    # so a kill never leaves a torn file.
     cbs = [
-        # best.ckpt (by ckpt.monitor) and last.ckpt at every validation; each file is written to a temporary file in
-        # the same folder and renamed over the old one (atomic_checkpoint_io), so a kill never leaves a torn file.
+        EpochEndCheckpoint(ckpt_dir / "last.ckpt"),  # after validation: the only checkpoints a resume uses
+        # best.ckpt (by ckpt.monitor) at each validation
         ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=str(cfg.ckpt.monitor), mode="max", save_top_k=1,
-                        save_last=True, auto_insert_metric_name=False, enable_version_counter=False),
+                        auto_insert_metric_name=False, enable_version_counter=False),
     ]
-    if every:  # mid-epoch checkpoints: the ckpt.keep most recent, and last.ckpt refreshed with them
+    if every:  # mid-epoch snapshots, the ckpt.keep most recent (not resumable: see ClassificationModule)
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:07d}", auto_insert_metric_name=False,
-                                   monitor="step", mode="max", save_top_k=int(cfg.ckpt.keep), save_last=True,
+                                   monitor="step", mode="max", save_top_k=int(cfg.ckpt.keep),
                                    every_n_train_steps=int(every), enable_version_counter=False))
     logger: Any = False
     if loggers:
@@ -96,45 +132,96 @@ def _run_model_config(cfg: DictConfig, dm) -> dict[str, Any]:
     config = read_model_config(src)  # the source architecture, with a new head for the target classes
     config["num_classes"] = int(dm.num_classes)
     if int(config.get("in_chans", 3)) != int(dm.in_chans):
-        raise ValueError(f"source model takes {config.get('in_chans', 3)} channels, the target data has {dm.in_chans}")
+        raise ConfigError(f"source model takes {config.get('in_chans', 3)} channels, the target data has {dm.in_chans}")
     return config
 
 
-def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = True) -> dict[str, Any]:
-    """Train (or resume) the run described by `cfg`; returns its summary (metrics, parameters, time, paths).
+def _is_global_zero() -> bool:
+    """Rank 0 of a distributed launch (torchrun, SLURM, Lightning's own launcher), read from the environment."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    Seeds with `seed_everything(cfg.seed, workers=True)`; with `trainer.deterministic` (default true) two runs with
-    the same seed on CPU give identical metrics.
-    """
-    import lightning.pytorch as pl
+    return int(getattr(rank_zero_only, "rank", 0) or 0) == 0
 
-    start = time.perf_counter()
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
-    output_dir = Path(str(cfg.output_dir)).expanduser()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+
+def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule]:
+    """Data found, model built (and a transfer source read): everything a launch needs before it writes anything."""
+    from ssogvit.data import DataError
 
     dm = build_datamodule(cfg)
     dm.prepare_data()  # a missing dataset fails here, with its help text, before any model is built
     if int(dm.num_classes) <= 0:
-        raise ValueError("the dataset has no classes: set data.num_classes or data.root")
+        raise DataError("the dataset has no classes: set data.num_classes or data.root")
     model_config = _run_model_config(cfg, dm)
     recipe = OmegaConf.to_container(cfg, resolve=True)
     recipe = {k: recipe[k] for k in ("optim", "sched", "loss", "mixup", "ema")}
     recipe["batch_size"] = int(cfg.data.batch_size)
     transfer = OmegaConf.to_container(cfg.transfer, resolve=True) if cfg.transfer.ckpt else None
-    module = ClassificationModule(model_config, recipe, transfer)
+    try:
+        module = ClassificationModule(model_config, recipe, transfer)
+    except (ValueError, TypeError) as err:  # an option the model does not take, a value it refuses
+        raise ConfigError(f"the model cannot be built from this config: {str(err).splitlines()[0]}") from None
+    return dm, model_config, module
 
-    trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
-    resume = resolve_resume(cfg, output_dir / "checkpoints")
-    if trainer.is_global_zero:
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+
+def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = True) -> dict[str, Any]:
+    """Train (or resume) the run described by `cfg`; returns its summary (metrics, parameters, time, paths).
+
+    Before anything is written the launch is checked: the data are found, the model builds, and the output folder
+    holds no run, or the unfinished run of this same config (resumed from its `last.ckpt` with `resume: auto`), or
+    `resume` names a checkpoint taken at an epoch end (`check_resumable`); otherwise a `TrainError` says what to do.
+    A non-finite loss or weights stop the run with a `NonFiniteError`; nothing non-finite is saved or exported.
+
+    Seeds with `seed_everything(cfg.seed, workers=True)` and checkpoints the RNG states: with `trainer.deterministic`
+    (default true), on one machine with the same threads and workers, two runs with the same seed, or a run killed
+    and resumed any number of times, end with bit-identical weights.
+    """
+    import lightning.pytorch as pl
+
+    start = time.perf_counter()
+    output_dir = Path(str(cfg.output_dir)).expanduser()
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    dm, model_config, module = _prepare(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    resume_setting = cfg.get("resume")
+    if resume_setting not in NO_RESUME and resume_setting != "auto":
+        check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
+
+    if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
+        return _fit(cfg, output_dir, dm, model_config, module, resolve_resume(cfg, output_dir / "checkpoints"),
+                    callbacks, verbose, start)
+    with RunLock(output_dir):
+        resume = decide_resume(output_dir, resume_setting, config)
+        if resume is not None:
+            ckpt = check_resumable(resume, module.hparams["model_config"])
+            epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
+            del ckpt
+        else:
+            epoch, step = -1, 0
+        remove_stale_temp_files(output_dir)
+        prune_logs(output_dir, epoch=epoch, step=step)
+        atomic_write(output_dir / "config.yaml", lambda tmp: OmegaConf.save(cfg, tmp, resolve=True))
+        write_run_state(output_dir, "running", pid=os.getpid(), resumed_from=resume)
         if verbose and resume:
-            print(f"resuming from {resume}")
+            print(f"resuming from {resume} (epoch {epoch + 1} done, step {step})")
+        summary = _fit(cfg, output_dir, dm, model_config, module, resume, callbacks, verbose, start)
+        write_run_state(output_dir, "finished", epochs=summary["epochs"], steps=summary["steps"],
+                        best=summary["best"], export=summary["export"])
+    if verbose:
+        print(format_summary(summary))
+    return summary
+
+
+def _fit(cfg: DictConfig, output_dir: Path, dm, model_config: dict[str, Any], module: ClassificationModule,
+         resume: str | None, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     finally:
         torch.use_deterministic_algorithms(deterministic_before)
+    if trainer.interrupted:
+        raise TrainError(f"the run in {output_dir} was interrupted; resume it with resume=auto")
+    save_resumable(trainer, output_dir / "checkpoints" / "last.ckpt")  # the final state, whatever saved last
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     best_cb = next(cb for cb in trainer.checkpoint_callbacks if cb.monitor == str(cfg.ckpt.monitor))
@@ -166,8 +253,6 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
                 ema_model.config = module.model.config
             export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors", extra=extra)
         summary["export"] = str(path)
-    if verbose and trainer.is_global_zero:
-        print(format_summary(summary))
     return summary
 
 
