@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
 
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors"]
-
-TRAIN_HELP = """usage: ssogvit train [--print-config] [OVERRIDE ...]
-
-Train a model. OVERRIDEs use Hydra syntax against the packaged config (ssogvit/conf):
-  experiment=<name>          a paper experiment (`ssogvit list` shows them)
-  data=digits|cifar100|imagenet|imagefolder|synthetic   model=vit|looped|ode
-  data.root=/path  data.batch_size=64  trainer.max_epochs=10  trainer.devices=8  trainer.strategy=ddp
-  model.size=small  model.mixer=ssog-steered  +model.kwargs.radius=2  loss.jasmin.weight=0.1
-  output_dir=runs/x  resume=auto|null|<path>  seed=42
-Runs write to output_dir (default runs/<name>): config.yaml, checkpoints/, logs/, tb/, export/. A folder belongs
-to one run: a launch into a folder that holds a finished or different run is refused; the unfinished run of the
-same config is resumed from its last epoch-end checkpoint (resume=auto, the default). Paths may hold any character.
-"""
-
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
@@ -45,42 +32,28 @@ def report_errors(prog: str, run) -> int:
         return 2
 
 
-def _print_help_if_asked(argv: list[str], text: str) -> bool:
-    if any(a in ("-h", "--help") for a in argv):
-        print(text)
-        return True
-    return False
-
-
 def train_main(argv: list[str]) -> int:
-    """`ssogvit train [--print-config] overrides...`"""
-    if _print_help_if_asked(argv, TRAIN_HELP):
-        return 0
-    return report_errors("ssogvit train", lambda: _train(argv))
+    """`ssogvit train [-m] [--cfg job] [--help] overrides...`: Hydra's command line (`ssogvit.train.hydra_app`)."""
+    return run_config_command("ssogvit train", argv, _train)
 
 
-def _train(argv: list[str], *, fresh_output: bool = False) -> int:
+def run_config_command(prog: str, argv: list[str], task, *, overrides: list[str] | tuple[str, ...] = ()) -> int:
+    """A command that runs `task(cfg)` on a Hydra config: Hydra's command line, user errors in one or two lines.
+
+    `--print-config` is kept as the short form of `--cfg job --resolve`.
+    """
+    from .hydra_app import hydra_command
+
+    argv = [a for flag in argv for a in (("--cfg", "job", "--resolve") if flag == "--print-config" else (flag,))]
+    return report_errors(prog, lambda: hydra_command(prog, argv, task, overrides=overrides))
+
+
+def _train(cfg, *, fresh_output: bool = False) -> int:
     from pathlib import Path
 
-    from omegaconf import OmegaConf
-
-    from .config import compose
-    from .errors import ConfigError
     from .run import train
     from .run_folder import fresh_folder
 
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f != "--print-config" for f in flags):
-        raise ConfigError(f"unknown option {next(f for f in flags if f != '--print-config')}; options are Hydra "
-                          f"overrides key=value (see `ssogvit train --help`)")
-    overrides = [a for a in argv if a != "--print-config"]
-    bare = [o for o in overrides if "=" not in o]
-    if bare:
-        raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
-    cfg = compose(overrides)
-    if "--print-config" in argv:
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        return 0
     if fresh_output:
         out = fresh_folder(Path(str(cfg.output_dir)).expanduser())
         if str(out) != str(Path(str(cfg.output_dir)).expanduser()):
@@ -119,7 +92,8 @@ def transfer_main(argv: list[str]) -> int:
     # Without an explicit output_dir a transfer picks a fresh folder (runs/<name>, runs/<name>-2, ...); with one, the
     # folder rules of `ssogvit train` apply (resume its unfinished run, refuse a finished or different one).
     fresh = not any(o.split("=", 1)[0].lstrip("+") == "output_dir" for o in overrides)
-    return report_errors("ssogvit transfer", lambda: _train(base + overrides, fresh_output=fresh))
+    return run_config_command("ssogvit transfer", overrides, functools.partial(_train, fresh_output=fresh),
+                              overrides=base)
 
 
 def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: bool = True) -> dict[str, float]:

@@ -1,0 +1,76 @@
+"""One Hydra entry for the commands that run a composed config (`ssogvit train`, `ssogvit transfer`, ...).
+
+`hydra_command(prog, argv, task)` gives a command Hydra's whole command line over the packaged config
+(`ssogvit/conf`): overrides, `-m/--multirun` sweeps with any launcher (`hydra/launcher=submitit_slurm`), `--cfg job`,
+`--resolve`, `--help`, `--info`. Each job's config reaches `task(cfg)`; a user error raised there (or by Hydra while
+composing) propagates to the caller, which reports it in one or two lines (`ssogvit.train.cli.report_errors`).
+
+Where runs write (`hydra:` in `ssogvit/conf/config.yaml`): Hydra itself writes nothing into a single run's folder (the
+run checks its folder before writing, see docs/training.md); in a sweep each job writes to its own folder,
+`runs/multirun/<date>_<time>/<job number>/`, unless the sweep sets `output_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["hydra_command", "override_key"]
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets: `+data.root=/x` -> `data.root`, `~ema` -> `ema`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _job_config(cfg: DictConfig) -> DictConfig:
+    """`cfg` with the folder of its job: a sweep job that sets no `output_dir` writes to Hydra's job folder."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not any(override_key(o) == "output_dir" for o in hydra_cfg.overrides.task):
+        OmegaConf.update(cfg, "output_dir", str(hydra_cfg.runtime.output_dir))
+    return cfg
+
+
+def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], Any], *,
+                  overrides: Sequence[str] = (), config_name: str = "config") -> int:
+    """Run `task` on the config composed from `overrides` + `argv` with Hydra's command line; 0 when all jobs ran.
+
+    Args:
+        prog: the command as users type it (`ssogvit train`), shown by `--help`.
+        argv: the command's arguments: Hydra flags and overrides in any order.
+        task: called with each job's config (once for a run, once per job for `--multirun`); raises on failure.
+        overrides: overrides the command adds before the user's (the user's win).
+        config_name: the primary config in `ssogvit/conf`.
+    """
+    from hydra._internal.utils import _run_hydra, get_args_parser
+
+    from .config import CONFIG_MODULE, quote_override
+
+    parser = get_args_parser()
+    parser.prog = prog
+    args = parser.parse_intermixed_args(list(argv))  # flags and overrides in any order, as users type them
+    args.overrides = [quote_override(o) for o in (*overrides, *args.overrides)]
+
+    def run_job(cfg: DictConfig) -> Any:
+        return task(_job_config(cfg))
+
+    run_job.__module__ = task.__module__  # Hydra names the job after the module that defines the task
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach the caller, which reports them in its own words
+    try:
+        _run_hydra(args=args, args_parser=parser, task_function=run_job, config_path=f"pkg://{CONFIG_MODULE}",
+                   config_name=config_name)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+        sys.stdout.flush()
+    return 0
