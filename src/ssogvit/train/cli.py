@@ -51,9 +51,11 @@ def run_config_command(prog: str, argv: list[str], task, *, overrides: list[str]
 def _train(cfg, *, fresh_output: bool = False) -> int:
     from pathlib import Path
 
+    from .components import check_components
     from .run import train
     from .run_folder import fresh_folder
 
+    check_components(cfg)  # a logger's missing package is refused before anything is written
     if fresh_output:
         out = fresh_folder(Path(str(cfg.output_dir)).expanduser())
         if str(out) != str(Path(str(cfg.output_dir)).expanduser()):

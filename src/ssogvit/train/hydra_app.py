@@ -38,6 +38,30 @@ def _job_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _job_label() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return f"#{OmegaConf.select(HydraConfig.get(), 'job.num', default='?', throw_on_missing=False)}"
+
+
+def _raise_failures(failures: list[tuple[str, BaseException]], *, multirun: bool) -> None:
+    """Re-raise a run's error as it was; for a sweep, one error naming the failed jobs (a bug is raised as it is)."""
+    from .cli import user_errors
+    from .errors import TrainError
+
+    if not failures:
+        return
+    bugs = [err for _, err in failures if not isinstance(err, user_errors())]
+    if bugs or not multirun:
+        raise (bugs or [failures[0][1]])[0]
+    by_message: dict[str, list[str]] = {}
+    for label, err in failures:
+        by_message.setdefault(str(err).splitlines()[0] if str(err) else type(err).__name__, []).append(label)
+    parts = [f"job {', '.join(labels)}: {message}" for message, labels in by_message.items()]
+    raise TrainError(f"{len(failures)} job(s) of the sweep failed (Hydra lists each job's overrides above); "
+                     + "; ".join(parts))
+
+
 def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], Any], *,
                   overrides: Sequence[str] = (), config_name: str = "config") -> int:
     """Run `task` on the config composed from `overrides` + `argv` with Hydra's command line; 0 when all jobs ran.
@@ -49,17 +73,27 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
         overrides: overrides the command adds before the user's (the user's win).
         config_name: the primary config in `ssogvit/conf`.
     """
+    from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
 
     from .config import CONFIG_MODULE, quote_override
 
+    version.setbase("1.3")  # as hydra.main(version_base="1.3"): the job keeps the working directory
     parser = get_args_parser()
     parser.prog = prog
     args = parser.parse_intermixed_args(list(argv))  # flags and overrides in any order, as users type them
     args.overrides = [quote_override(o) for o in (*overrides, *args.overrides)]
 
+    main_pid, failures = os.getpid(), []
+
     def run_job(cfg: DictConfig) -> Any:
-        return task(_job_config(cfg))
+        try:
+            return task(_job_config(cfg))
+        except Exception as err:
+            if os.getpid() != main_pid:  # a launcher's own process (submitit): Hydra hands the error back to this one
+                raise
+            failures.append((_job_label(), err))  # reported below in our words, not as Hydra's "Error executing job"
+            return None
 
     run_job.__module__ = task.__module__  # Hydra names the job after the module that defines the task
     previous = os.environ.get("HYDRA_FULL_ERROR")
@@ -73,4 +107,5 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
         sys.stdout.flush()
+    _raise_failures(failures, multirun=bool(args.multirun))
     return 0
