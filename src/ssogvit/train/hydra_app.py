@@ -101,6 +101,10 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
     try:
         _run_hydra(args=args, args_parser=parser, task_function=run_job, config_path=f"pkg://{CONFIG_MODULE}",
                    config_name=config_name)
+    except ValueError as err:  # Hydra's own checks of its flags (the jobs' errors are in `failures`)
+        from .errors import ConfigError
+
+        raise ConfigError(f"{err} (see `{prog} --help`)") from err
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
