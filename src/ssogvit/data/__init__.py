@@ -6,10 +6,9 @@ keys that only describe it: `name`, `num_classes` for fixed datasets, ...).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
-
-import inspect
 
 from ._common import AUG_DEFAULTS, ClassificationDataModule, DataConfigError, DataError, build_transform
 from .cifar100 import Cifar100DataModule, find_cifar100, read_cifar100_split
@@ -18,7 +17,8 @@ from .imagefolder import ImageFolderDataModule
 from .synthetic import SyntheticDataModule, SyntheticDataset
 
 __all__ = [
-    "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "DataConfigError", "build_transform", "create_datamodule", "list_datasets",
+    "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "DataConfigError",
+    "build_transform", "create_datamodule", "list_datasets",
     "DigitsDataModule", "Cifar100DataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticDataset",
     "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES",
 ]

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from ssogvit.errors import ArgumentParser
+
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
            "format_error", "run_config_command"]
 
@@ -17,10 +19,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import OmegaConfBaseException
 
     from ssogvit.data import DataError
+    from ssogvit.errors import UsageError
 
     from .errors import TrainError
 
-    return TrainError, DataError, HydraException, OmegaConfBaseException
+    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
 
 
 def format_error(prog: str, err: BaseException) -> str:
@@ -108,7 +111,7 @@ def _source_tag(ckpt: str) -> str:
 
 def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssogvit transfer",
         description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra "
         "overrides as for `ssogvit train` (e.g. data=cifar100 data.root=... trainer.max_epochs=10).",
@@ -167,7 +170,7 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
 
 def eval_main(argv: list[str]) -> int:
     """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ssogvit eval",
         description="Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another "
         "image size or patch size. Remaining arguments are Hydra overrides for the data (default: the data config "
@@ -295,7 +298,7 @@ def _parse_value(text: str) -> Any:
 
 def list_main(argv: list[str]) -> int:
     """`ssogvit list [models|mixers|experiments|datasets]`"""
-    parser = argparse.ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
+    parser = ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
     parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
     args = parser.parse_args(argv)
     from .config import experiment_meta, list_experiments

@@ -33,7 +33,8 @@ def _job_config(cfg: DictConfig) -> DictConfig:
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and not any(override_key(o) == "output_dir" for o in hydra_cfg.overrides.task):
+    sets_output = any(override_key(o) == "output_dir" for o in hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN and not sets_output:
         OmegaConf.update(cfg, "output_dir", str(hydra_cfg.runtime.output_dir))
     return cfg
 
@@ -62,6 +63,15 @@ def _raise_failures(failures: list[tuple[str, BaseException]], *, multirun: bool
                      + "; ".join(parts))
 
 
+def _usage_error(prog: str) -> Callable[[str], None]:
+    def error(message: str) -> None:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{message} (see `{prog} --help`)")
+
+    return error
+
+
 def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], Any], *,
                   overrides: Sequence[str] = (), config_name: str = "config") -> int:
     """Run `task` on the config composed from `overrides` + `argv` with Hydra's command line; 0 when all jobs ran.
@@ -81,6 +91,7 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
     version.setbase("1.3")  # as hydra.main(version_base="1.3"): the job keeps the working directory
     parser = get_args_parser()
     parser.prog = prog
+    parser.error = _usage_error(prog)  # one line, not argparse's usage block
     args = parser.parse_intermixed_args(list(argv))  # flags and overrides in any order, as users type them
     args.overrides = [quote_override(o) for o in (*overrides, *args.overrides)]
 

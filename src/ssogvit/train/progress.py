@@ -78,6 +78,7 @@ class LineProgress(Callback):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         logged = trainer.callback_metrics
-        metrics = {k: v for k, v in logged.items() if not k.endswith("_step") and f"{k}_epoch" not in logged}
+        metrics = {k: v for k, v in logged.items()
+                   if not k.endswith("_step") and f"{k}_epoch" not in logged and not k.startswith("lr-")}
         self._print(trainer, f"{self._epoch(trainer)}  step {trainer.global_step}  {format_metrics(metrics)}  "
                              f"({time.perf_counter() - self._epoch_start:.1f} s)")

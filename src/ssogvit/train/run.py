@@ -28,8 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import model_config_from
 from .errors import CheckpointError, ConfigError, TrainError
-from .io import (atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_checkpoint,
-                 read_model_config)
+from .io import (
+    atomic_checkpoint_io,
+    atomic_write,
+    check_checkpoint,
+    export_safetensors,
+    read_checkpoint,
+    read_model_config,
+)
 from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
@@ -111,7 +117,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:07d}", auto_insert_metric_name=False,
                                    monitor="step", mode="max", save_top_k=int(cfg.ckpt.keep),
                                    every_n_train_steps=int(every), enable_version_counter=False))
-    logger: Any = build_loggers(cfg, output_dir) if loggers else []  # the `logger` group: csv, tensorboard, wandb, mlflow
+    logger: Any = build_loggers(cfg, output_dir) if loggers else []  # `logger`: csv, tensorboard, wandb, mlflow
     if logger:
         cbs.append(LearningRateMonitor(logging_interval="step"))
     show_bar, progress = progress_callbacks(cfg)  # Lightning's bar on a terminal, else lines (`progress`)
