@@ -82,7 +82,8 @@ def test_debug_flag_and_environment_variable_show_the_traceback():
 
 @pytest.mark.parametrize("args, starts", [
     (["experiment=cifar100_vit_bse_ssog"],
-     "ssogvit train: In 'config': Could not find 'experiment/cifar100_vit_bse_ssog'; did you mean cifar100_vit_base_ssog"),
+     "ssogvit train: In 'config': Could not find 'experiment/cifar100_vit_bse_ssog'; did you mean "
+     "cifar100_vit_base_ssog"),
     (["data.rot=/x"], "ssogvit train: Could not override 'data.rot'. To append to your config use +data.rot=/x"),
     (["data.root=/x"], "ssogvit train: data=digits has no option root (the digits are embedded in scikit-learn"),
     (["model.mixer=ssog,mha"], "ssogvit train: Ambiguous value for argument 'model.mixer=ssog,mha'"),

@@ -21,6 +21,14 @@ def test_main_job_prints_table_and_paths_and_flags_a_short_run(tmp_path, capsys)
         assert (out / mixer / "checkpoints" / "last.ckpt").is_file()
         assert (out / mixer / "export" / "model.safetensors").is_file()
         assert str(out / mixer / "checkpoints") in text and str(out / mixer / "logs") in text
+    # the same --out again: the finished runs stay as they are, the job writes to a fresh <out>-2
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    main(["--out", str(out), "--epochs", "1", "--no-progress", "--mixers", "ssog", "trainer.limit_train_batches=1",
+          "trainer.limit_val_batches=1"])
+    text = capsys.readouterr().out
+    assert f"{out} holds another run; writing to {out}-2" in text
+    assert (tmp_path / "main-2" / "ssog" / "export" / "model.safetensors").is_file()
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssogvit.errors import ArgumentParser
+from ssogvit.train.cli import ArgumentParser
 
 from . import _data
 from ._common import fmt, is_ssog, markdown_table, write_json, write_markdown

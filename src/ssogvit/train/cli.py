@@ -8,8 +8,6 @@ import json
 import sys
 from typing import Any
 
-from ssogvit.errors import ArgumentParser
-
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
            "format_error", "run_config_command"]
 
@@ -64,6 +62,13 @@ def report_errors(prog: str, run) -> int:
             raise
         print(format_error(prog, err), file=sys.stderr)
         return 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def train_main(argv: list[str]) -> int:
@@ -231,8 +236,14 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
             rescale_field(mixer, grid[0] / trained_grid[0], grid[1] / trained_grid[1])
     from ssogvit.data import create_datamodule
 
-    dm = create_datamodule(data.pop("name"), **data)
-    result = evaluate(model, dm, device=args.device, progress=args.progress)
+    try:
+        dm = create_datamodule(data.pop("name"), **data)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
+    try:
+        result = evaluate(model, dm, device=args.device, progress=args.progress)
+    except (ValueError, RuntimeError) as err:  # the model refuses this input (grid, channels)
+        raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
                   patch_size=_side(patch), rescale_field=bool(args.rescale_field))
@@ -273,6 +284,9 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
     if data is None and path.with_suffix(".json").is_file():
         data = json.loads(path.with_suffix(".json").read_text()).get("data")
     data_overrides = [o for o in overrides if o.startswith("data")]
+    if data is None and not any(o.startswith("data=") for o in overrides):
+        raise ConfigError(f"no data config beside {path} (its run's config.yaml or the export's .json): name the "
+                          f"data, e.g. data=cifar100 data.root=/data")
     if data is None or any(o.startswith("data=") for o in overrides):
         data = OmegaConf.to_container(compose(data_overrides).data, resolve=True)
     else:

@@ -50,7 +50,8 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     return sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
 
 
-def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *,
+                    mmap: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint as a dict, loaded with `weights_only=True`; `CheckpointError` if it is unreadable.
 
     Args:
@@ -214,8 +215,8 @@ def atomic_write(path: str | Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # after the write: a writer may replace the file (safetensors does)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

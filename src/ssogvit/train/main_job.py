@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ssogvit.errors import ArgumentParser
-
 __all__ = ["main", "format_table", "SSOG_TARGET"]
 
 SSOG_TARGET = 90.0  # validation top-1 (%) the SSoG model must reach
@@ -37,6 +35,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from .cli import ArgumentParser, report_errors
+
     parser = ArgumentParser(
         prog="ssogvit main",
         description="Train a small SSoG ViT and its MHA twin on the embedded digits data (no download) and print a "
@@ -50,8 +50,6 @@ def main(argv: list[str]) -> int:
                         "thread that waits for a busy core slows every step down)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args, overrides = parser.parse_known_args(argv)
-    from .cli import report_errors
-
     return report_errors("ssogvit main", lambda: _run(parser, args, overrides))
 
 
@@ -59,6 +57,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: l
     import torch
 
     from .config import compose
+    from .errors import ConfigError
     from .run import train
     from .run_folder import fresh_folder
 
@@ -70,7 +69,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: l
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     for m in mixers:
         if m not in ("ssog", "mha"):
-            parser.error(f"unknown mixer {m!r}; choose from ssog, mha")
+            raise ConfigError(f"unknown mixer {m!r} in --mixers; choose from ssog, mha")
     out = fresh_folder(asked, parts=tuple(mixers))  # never into a folder that holds a run
     if out != asked:
         print(f"ssogvit main: {asked} holds another run; writing to {out}")

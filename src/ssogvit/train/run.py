@@ -85,9 +85,10 @@ def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str,
     path = Path(path)
     ckpt = read_checkpoint(path, mmap=True)
     if not (ckpt.get("ssogvit") or {}).get("resumable"):
-        raise CheckpointError(f"{path} was not saved at the end of a training epoch, so a resume from it cannot "
-                              f"reproduce the data order; resume from {path.parent / 'last.ckpt'}, or start a new run "
-                              f"from its weights with `ssogvit transfer --ckpt {path} --mode finetune`")
+        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), "
+                              f"so a resume from it cannot reproduce the data order; resume from "
+                              f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
+                              f"`ssogvit transfer --ckpt {path} --mode finetune`")
     saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
     if _canonical(saved) != _canonical(model_config):
         a, b = _canonical(saved) or {}, _canonical(model_config)
@@ -108,10 +109,10 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
     # Each file is written to a temporary file in the same folder and renamed over the old one (atomic_checkpoint_io),
     # so a kill never leaves a torn file.
     cbs = [
-        EpochEndCheckpoint(ckpt_dir / "last.ckpt"),  # after validation: the only checkpoints a resume uses
         # best.ckpt (by ckpt.monitor) at each validation
         ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=str(cfg.ckpt.monitor), mode="max", save_top_k=1,
                         auto_insert_metric_name=False, enable_version_counter=False),
+        EpochEndCheckpoint(ckpt_dir / "last.ckpt"),  # after validation: the only checkpoints a resume uses
     ]
     if every:  # mid-epoch snapshots, the ckpt.keep most recent (not resumable: see ClassificationModule)
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:07d}", auto_insert_metric_name=False,
@@ -154,7 +155,10 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     """Data found, model built (and a transfer source read): everything a launch needs before it writes anything."""
     from ssogvit.data import DataError
 
-    dm = build_datamodule(cfg)
+    try:
+        dm = build_datamodule(cfg)
+    except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
+        raise ConfigError(f"the data cannot be set up from this config: {str(err).splitlines()[0]}") from None
     dm.prepare_data()  # a missing dataset fails here, with its help text, before any model is built
     if int(dm.num_classes) <= 0:
         raise DataError("the dataset has no classes: set data.num_classes or data.root")
@@ -165,7 +169,7 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     transfer = OmegaConf.to_container(cfg.transfer, resolve=True) if cfg.transfer.ckpt else None
     try:
         module = ClassificationModule(model_config, recipe, transfer)
-    except (ValueError, TypeError) as err:  # an option the model does not take, a value it refuses
+    except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
         raise ConfigError(f"the model cannot be built from this config: {str(err).splitlines()[0]}") from None
     return dm, model_config, module
 

@@ -167,10 +167,15 @@ def prune_logs(folder: str | Path, *, epoch: int, step: int) -> None:
             reader = csv.DictReader(f)
             fields, rows = reader.fieldnames or [], list(reader)
 
-        def keep(row: dict[str, str]) -> bool:
-            if row.get("epoch"):
-                return int(float(row["epoch"])) <= epoch
-            return not row.get("step") or int(float(row["step"])) < step
+        def keep(row: dict[str, str | None]) -> bool:
+            if None in row.values() or None in row:  # a line torn by a kill
+                return False
+            try:
+                if row.get("epoch"):
+                    return int(float(row["epoch"])) <= epoch
+                return int(float(row["step"] or 0)) < step
+            except ValueError:
+                return False
 
         kept = [r for r in rows if keep(r)]
         if len(kept) == len(rows):
