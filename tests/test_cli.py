@@ -70,26 +70,34 @@ def test_a_closed_pipe_ends_quietly():
     assert proc.wait(timeout=120) == 141 and err == ""
 
 
-def test_debug_flag_and_environment_variable_show_the_traceback():
-    quiet = ssogvit("train", "experiment=nope")
-    assert_user_error(quiet, "ssogvit train: In 'config': Could not find 'experiment/nope';")
-    for res in (ssogvit("train", "experiment=nope", "--debug"), ssogvit("train", "experiment=nope", SSOGVIT_DEBUG="1")):
-        assert res.returncode != 0 and "Traceback (most recent call last)" in res.stderr
-        assert "MissingConfigException" in res.stderr
+@pytest.mark.parametrize("how", ["--debug", pytest.param("SSOGVIT_DEBUG=1", marks=pytest.mark.slow)])
+def test_debug_flag_and_environment_variable_show_the_traceback(how):
+    # the same mistake without them: one line (test_train_mistakes_end_in_one_or_two_lines)
+    res = ssogvit("train", "experiment=nope", "--debug") if how == "--debug" else \
+        ssogvit("train", "experiment=nope", SSOGVIT_DEBUG="1")
+    assert res.returncode != 0 and "Traceback (most recent call last)" in res.stderr
+    assert "MissingConfigException" in res.stderr
 
 
 # -- Hydra's command line -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, starts", [
-    (["experiment=cifar100_vit_bse_ssog"],
+    (["experiment=nope"], "ssogvit train: In 'config': Could not find 'experiment/nope'; options: "),
+    pytest.param(["experiment=cifar100_vit_bse_ssog"],
      "ssogvit train: In 'config': Could not find 'experiment/cifar100_vit_bse_ssog'; did you mean "
-     "cifar100_vit_base_ssog"),
-    (["data.rot=/x"], "ssogvit train: Could not override 'data.rot'. To append to your config use +data.rot=/x"),
-    (["data.root=/x"], "ssogvit train: data=digits has no option root (the digits are embedded in scikit-learn"),
-    (["model.mixer=ssog,mha"], "ssogvit train: Ambiguous value for argument 'model.mixer=ssog,mha'"),
-    (["-m", "model.mixer=ssog,mha", "--cfg", "job"], "ssogvit train: Only one of --run, --multirun, --cfg"),
-    (["+trainer.logger=false"], "ssogvit train: Could not append to config. An item is already at 'trainer.logger'"),
-    (["--bogus"], "ssogvit train: unrecognized arguments: --bogus (see `ssogvit train --help`)"),
+     "cifar100_vit_base_ssog", marks=pytest.mark.slow),
+    (["data.root=/x"], "ssogvit train: the data cannot be set up from this config: data=digits has no option root "
+                       "(the digits are embedded in scikit-learn"),
+    pytest.param(["data.rot=/x"], "ssogvit train: Could not override 'data.rot'. To append to your config use "
+                                  "+data.rot=/x", marks=pytest.mark.slow),
+    pytest.param(["model.mixer=ssog,mha"], "ssogvit train: Ambiguous value for argument 'model.mixer=ssog,mha'",
+                 marks=pytest.mark.slow),
+    pytest.param(["-m", "model.mixer=ssog,mha", "--cfg", "job"], "ssogvit train: Only one of --run, --multirun, --cfg",
+                 marks=pytest.mark.slow),
+    pytest.param(["+trainer.logger=false"], "ssogvit train: Could not append to config. An item is already at "
+                                            "'trainer.logger'", marks=pytest.mark.slow),
+    pytest.param(["--bogus"], "ssogvit train: unrecognized arguments: --bogus (see `ssogvit train --help`)",
+                 marks=pytest.mark.slow),
 ])
 def test_train_mistakes_end_in_one_or_two_lines(tmp_path, args, starts):
     res = ssogvit("train", *args, f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -154,7 +162,7 @@ def test_submitit_slurm_launcher_asks_for_what_the_config_needs():
 
 # -- loggers, callbacks, progress ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("package", ["wandb", "mlflow"])
+@pytest.mark.parametrize("package", ["wandb", pytest.param("mlflow", marks=pytest.mark.slow)])
 def test_a_logger_whose_package_is_missing_is_named_before_anything_is_written(tmp_path, package):
     if importlib.util.find_spec(package) is not None:
         pytest.skip(f"{package} is installed here")
@@ -175,7 +183,11 @@ def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
     assert [line.split("  ")[0] for line in lines] == ["epoch 1/2", "epoch 1/2", "epoch 2/2", "epoch 2/2"]
     assert lines[0].startswith("epoch 1/2  step 2  batch 2/4  loss ") and "val/top1 " in lines[1]
     assert "\r" not in res.stdout + res.stderr  # no terminal: no progress-bar frames
-    # no logger at all; the bar forced on even without a terminal draws its frames (the check above can fail)
+
+
+@pytest.mark.slow
+def test_no_logger_at_all_and_a_forced_bar(tmp_path):
+    # the bar forced on even without a terminal draws its frames (the check above can fail)
     res = ssogvit("train", *TINY, "trainer.logger=false", "progress.mode=bar", f"output_dir={tmp_path / 'bare'}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (tmp_path / "bare" / "logs").exists() and not (tmp_path / "bare" / "tb").exists()
@@ -185,12 +197,16 @@ def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
 # -- eval ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, starts", [
-    (["--bogus", "1"], "ssogvit eval: unknown argument '--bogus'"),
     (["--img-size", "18"],
      "ssogvit eval: image size 18 is not a multiple of the patch size 4; use --img-size 16 or 20"),
-    (["--patch-size", "3"], "ssogvit eval: image size 16 is not a multiple of the patch size 3"),
-    (["--rescale-field"], "ssogvit eval: --rescale-field rescales the field to another grid"),
-    (["model.depth=2"], "ssogvit eval: unknown argument 'model.depth=2'"),
+    pytest.param(["--bogus", "1"], "ssogvit eval: unknown argument '--bogus'", marks=pytest.mark.slow),
+    pytest.param(["--patch-size", "3"], "ssogvit eval: image size 16 is not a multiple of the patch size 3",
+                 marks=pytest.mark.slow),
+    pytest.param(["--rescale-field"], "ssogvit eval: --rescale-field rescales the field to another grid",
+                 marks=pytest.mark.slow),
+    pytest.param(["--img-size", "0"], "ssogvit eval: argument --img-size: expected a positive integer, got 0",
+                 marks=pytest.mark.slow),
+    pytest.param(["model.depth=2"], "ssogvit eval: unknown argument 'model.depth=2'", marks=pytest.mark.slow),
 ])
 def test_eval_mistakes_end_in_one_or_two_lines(tiny_run, args, starts):
     assert_user_error(ssogvit("eval", "--ckpt", str(tiny_run / "checkpoints" / "best.ckpt"), *args), starts)
@@ -224,6 +240,7 @@ def _image_folder(root: Path, *, classes: int = 2, per_class: int = 4) -> None:
                 Image.new("RGB", (16, 16), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
 
 
+@pytest.mark.slow
 def test_an_image_folder_class_without_images_is_refused_before_anything_is_written(tmp_path):
     _image_folder(tmp_path / "data")
     for p in (tmp_path / "data" / "val" / "class1").iterdir():
@@ -260,11 +277,8 @@ def _results(path: Path, *, cpu: str = "test cpu", ms: float = 1.0) -> Path:
 def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
     (tmp_path / "flops.json").write_text(json.dumps([{"model": "vit-tiny-ssog", "res": 32, "gflops": 0.05}]))
     a, b = _results(tmp_path / "a.json", ms=1.0), _results(tmp_path / "b.json", ms=3.0)
-    other = _results(tmp_path / "other.json", cpu="another cpu")
     assert_user_error(ssogvit("bench", "report", str(a), str(tmp_path / "flops.json"), "--no-plots"),
                       f"ssogvit bench: {tmp_path / 'flops.json'} is not a results file of `ssogvit bench models`")
-    assert_user_error(ssogvit("bench", "report", str(a), str(other), "--no-plots"),
-                      f"ssogvit bench: {other} was measured with cpu 'another cpu' and {a} with 'test cpu'")
     res = ssogvit("bench", "report", str(a), str(b), "--no-plots", "--name", "merged")
     assert res.returncode == 0, res.stderr[-3000:]
     rule = next(line for line in res.stdout.splitlines() if "measured in several files" in line)
@@ -273,6 +287,13 @@ def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert sorted(r["time_ms_median"] for r in merged["rows"]) == [3.0] * 4  # every point from b.json
     assert merged["meta"]["points_in_several_files"] == 4
+
+
+@pytest.mark.slow
+def test_bench_report_refuses_results_of_another_machine(tmp_path):
+    a, other = _results(tmp_path / "a.json"), _results(tmp_path / "other.json", cpu="another cpu")
+    assert_user_error(ssogvit("bench", "report", str(a), str(other), "--no-plots"),
+                      f"ssogvit bench: {other} was measured with cpu 'another cpu' and {a} with 'test cpu'")
 
 
 def test_bench_flops_check_reports_each_point_as_it_goes():
