@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 # a seconds-long run: a 1-block width-32 ViT on 64 synthetic 16 px images
+TINY_MODEL = ["model=vit", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
+              "model.kwargs.depth=1", "model.kwargs.patch_size=4", "model.kwargs.drop_path_rate=0.0",
+              "trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
+              "ckpt.every_n_train_steps=0"]
 TINY = ["data=synthetic", "data.img_size=16", "data.train_size=64", "data.val_size=32", "data.batch_size=16",
-        "data.learnable=true", "model=vit", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
-        "model.kwargs.depth=1", "model.kwargs.patch_size=4", "model.kwargs.drop_path_rate=0.0",
-        "trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
-        "ckpt.every_n_train_steps=0"]
+        "data.learnable=true", *TINY_MODEL]
 # the same on the embedded digits, two steps of one epoch
 DIGITS = ["experiment=digits_vit_ssog", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
           "trainer.limit_val_batches=1", "trainer.accelerator=cpu", "data.num_workers=0"]
@@ -151,9 +152,9 @@ def test_submitit_local_launcher_runs_each_job_in_its_own_process(tmp_path):
 
 def test_submitit_slurm_launcher_asks_for_what_the_config_needs():
     res = ssogvit("train", "hydra/launcher=submitit_slurm", "experiment=cifar100_vit_base_ssog", "trainer.num_nodes=2",
-                  "cluster.gpus_per_node=4", "cluster.timeout_min=600", "cluster.partition=gpu", "--cfg", "hydra",
+                  "cluster.gpus_per_node=4", "cluster.timeout_min=600", "cluster.partition=gpu", "--cfg", "all",
                   "--resolve")
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stderr == "", res.stderr[-3000:]
     launcher = yaml.safe_load(res.stdout)["hydra"]["launcher"]
     assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
     assert (launcher["nodes"], launcher["gpus_per_node"], launcher["tasks_per_node"]) == (2, 4, 4)
@@ -180,8 +181,12 @@ def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
     assert (out / "logs").is_dir() and not (out / "tb").exists()
     assert yaml.safe_load((out / "config.yaml").read_text())["callbacks"]["early_stopping"]["monitor"] == "val/top1"
     lines = [line for line in res.stdout.splitlines() if line.startswith("epoch ")]
-    assert [line.split("  ")[0] for line in lines] == ["epoch 1/2", "epoch 1/2", "epoch 2/2", "epoch 2/2"]
-    assert lines[0].startswith("epoch 1/2  step 2  batch 2/4  loss ") and "val/top1 " in lines[1]
+    # 4 steps an epoch: a line at steps 2 and 4, then the epoch's line, twice
+    assert [" ".join(line.split()[:4]) for line in lines] == [
+        "epoch 1/2 step 2", "epoch 1/2 step 4", "epoch 1/2 step 4", "epoch 2/2 step 6", "epoch 2/2 step 8",
+        "epoch 2/2 step 8"]
+    assert lines[0].startswith("epoch 1/2  step 2  batch 2/4  loss ")
+    assert "val/top1 " in lines[2] and "val/top1 " in lines[5] and "val/top1" not in lines[3]
     assert "\r" not in res.stdout + res.stderr  # no terminal: no progress-bar frames
 
 
@@ -192,6 +197,15 @@ def test_no_logger_at_all_and_a_forced_bar(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (tmp_path / "bare" / "logs").exists() and not (tmp_path / "bare" / "tb").exists()
     assert "\r" in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_main_prints_where_it_drew_the_curves(tmp_path):
+    res = ssogvit("main", "--out", str(tmp_path / "main"), "--epochs", "1", "--mixers", "ssog",
+                  "trainer.limit_train_batches=2", "trainer.limit_val_batches=1")
+    assert res.returncode == 1, res.stderr[-3000:]  # two steps do not reach 90%
+    assert f"training curves: {tmp_path / 'main' / 'curves.png'}" in res.stdout
+    assert (tmp_path / "main" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # -- eval ---------------------------------------------------------------------------------------------------------
@@ -219,7 +233,7 @@ def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp
         res = ssogvit("eval", "--ckpt", str(tiny_run / "export" / "model.safetensors"), "--img-size", "32",
                       "--device", "cpu", "--json", str(out), *rescale)
         assert res.returncode == 0, res.stderr[-3000:]
-        assert first_line(res.stdout).startswith("eval: batch 1/2, 16 images, top-1 so far")
+        assert first_line(res.stdout).startswith("eval: batch 1/1, 32 images, top-1 so far")
         assert "\r" not in res.stdout + res.stderr
         results[bool(rescale)] = json.loads(out.read_text())
     assert results[True]["rescale_field"] and not results[False]["rescale_field"]
@@ -245,8 +259,8 @@ def test_an_image_folder_class_without_images_is_refused_before_anything_is_writ
     _image_folder(tmp_path / "data")
     for p in (tmp_path / "data" / "val" / "class1").iterdir():
         p.unlink()
-    res = ssogvit("train", *TINY, "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
-                  f"output_dir={tmp_path / 'run'}")
+    res = ssogvit("train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+                  "data.img_size=16", *TINY_MODEL, f"output_dir={tmp_path / 'run'}")
     assert_user_error(res, f"ssogvit train: class folder {tmp_path / 'data' / 'val' / 'class1'} holds no image")
     assert not (tmp_path / "run").exists()
 
@@ -255,8 +269,8 @@ def test_a_corrupt_image_mid_epoch_is_named_in_one_line(tmp_path):
     _image_folder(tmp_path / "data", per_class=16)
     bad = tmp_path / "data" / "train" / "class1" / "3.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-    res = ssogvit("train", *TINY, "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
-                  "data.num_workers=1", "data.batch_size=4", "data.aug.auto_augment=null",
+    res = ssogvit("train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+                  "data.img_size=16", "data.num_workers=1", "data.batch_size=4", *TINY_MODEL,
                   f"output_dir={tmp_path / 'run'}")
     assert_user_error(res, f"ssogvit train: cannot read image {bad} (UnidentifiedImageError")
 

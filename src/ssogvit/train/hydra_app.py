@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,6 +108,9 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
             return None
 
     run_job.__module__ = task.__module__  # Hydra names the job after the module that defines the task
+    # conf/hydra/launcher/submitit_slurm.yaml stands in for the plugin's config of that name (all its keys): Hydra
+    # warns that it checks the file against the plugin's schema, which is what we want while it does
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/.*' is validated against ConfigStore schema")
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach the caller, which reports them in its own words
     try:
