@@ -68,9 +68,21 @@ def _usage_error(prog: str) -> Callable[[str], None]:
     def error(message: str) -> None:
         from .errors import ConfigError
 
+        unknown = message.partition("unrecognized arguments: ")[2]
+        if unknown:
+            raise ConfigError(f"unknown option {unknown}; options are Hydra's and overrides are key=value (see "
+                              f"`{prog} --help`)")
         raise ConfigError(f"{message} (see `{prog} --help`)")
 
     return error
+
+
+def _check_overrides(overrides: Sequence[str]) -> None:
+    from .errors import ConfigError
+
+    bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if bare:
+        raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
 
 
 def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], Any], *,
@@ -94,6 +106,7 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
     parser.prog = prog
     parser.error = _usage_error(prog)  # one line, not argparse's usage block
     args = parser.parse_intermixed_args(list(argv))  # flags and overrides in any order, as users type them
+    _check_overrides(args.overrides)
     args.overrides = [quote_override(o) for o in (*overrides, *args.overrides)]
 
     main_pid, failures = os.getpid(), []
@@ -107,7 +120,6 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
             failures.append((_job_label(), err))  # reported below in our words, not as Hydra's "Error executing job"
             return None
 
-    run_job.__module__ = task.__module__  # Hydra names the job after the module that defines the task
     # conf/hydra/launcher/submitit_slurm.yaml stands in for the plugin's config of that name (all its keys): Hydra
     # warns that it checks the file against the plugin's schema, which is what we want while it does
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/.*' is validated against ConfigStore schema")
