@@ -182,7 +182,7 @@ def test_a_logger_whose_package_is_missing_is_named_before_anything_is_written(t
 def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
     out = tmp_path / "run"
     res = ssogvit("train", *TINY, "trainer.max_epochs=2", "logger=[csv]", "callbacks=[early_stopping]",
-                  "progress.every_n_steps=2", f"output_dir={out}")
+                  "progress.every_n_steps=2", "trainer.check_val_every_n_epoch=2", f"output_dir={out}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "logs").is_dir() and not (out / "tb").exists()
     assert yaml.safe_load((out / "config.yaml").read_text())["callbacks"]["early_stopping"]["monitor"] == "val/top1"
@@ -192,7 +192,8 @@ def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
         "epoch 1/2 step 2", "epoch 1/2 step 4", "epoch 1/2 step 4", "epoch 2/2 step 6", "epoch 2/2 step 8",
         "epoch 2/2 step 8"]
     assert lines[0].startswith("epoch 1/2  step 2  batch 2/4  loss ")
-    assert "val/top1 " in lines[2] and "val/top1 " in lines[5] and "val/top1" not in lines[3]
+    assert "train/top1 " in lines[2] and "val/" not in lines[2]  # no validation in epoch 1: none shown
+    assert "val/top1 " in lines[5] and "val/top1" not in lines[3]
     assert "\r" not in res.stdout + res.stderr  # no terminal: no progress-bar frames
 
 

@@ -11,6 +11,7 @@ from typing import Any
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
            "format_error", "run_config_command"]
 
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
     from hydra.errors import HydraException
@@ -41,10 +42,9 @@ def format_error(prog: str, err: BaseException) -> str:
 
         asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]
         close = difflib.get_close_matches(asked, err.options, n=3, cutoff=0.5)
-        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}" + (
-            ", ..." if len(err.options) > 8 else "")
-        lines = [lines[0].rstrip(":").replace(" Available options in", ";"), hint + " (`ssogvit list` shows all)"]
-        lines[0] = lines[0].split(";")[0] + ";"
+        more = ", ..." if len(err.options) > 8 else ""
+        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}{more}"
+        lines = [lines[0].split(" Available options")[0] + ";", f"{hint} (`ssogvit list` shows all)"]
     return f"{prog}: " + " ".join(lines[:2])
 
 

@@ -56,6 +56,8 @@ class LineProgress(Callback):
     def __init__(self, *, every_n_steps: int = 0):
         self.every_n_steps = int(every_n_steps)
         self._epoch_start = time.perf_counter()
+        self._last_step = -1  # with gradient accumulation several batches end on one optimizer step
+        self._validated = False  # whether this epoch ran a validation (check_val_every_n_epoch)
 
     def _print(self, trainer: Any, text: str) -> None:
         if trainer.is_global_zero:
@@ -67,10 +69,15 @@ class LineProgress(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._epoch_start = time.perf_counter()
+        self._validated = False
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._validated = self._validated or not trainer.sanity_checking
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0:
+        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+            self._last_step = step
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             shown = f"  loss {float(loss):.4g}" if loss is not None else ""
             self._print(trainer, f"{self._epoch(trainer)}  step {step}  batch {batch_idx + 1}/"
@@ -79,6 +86,7 @@ class LineProgress(Callback):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         logged = trainer.callback_metrics
         metrics = {k: v for k, v in logged.items()
-                   if not k.endswith("_step") and f"{k}_epoch" not in logged and not k.startswith("lr-")}
+                   if not k.endswith("_step") and f"{k}_epoch" not in logged and not k.startswith("lr-")
+                   and (self._validated or not k.startswith("val"))}  # no stale validation metrics
         self._print(trainer, f"{self._epoch(trainer)}  step {trainer.global_step}  {format_metrics(metrics)}  "
                              f"({time.perf_counter() - self._epoch_start:.1f} s)")
