@@ -118,8 +118,9 @@ def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
     parser = ArgumentParser(
         prog="ssogvit transfer",
-        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra "
-        "overrides as for `ssogvit train` (e.g. data=cifar100 data.root=... trainer.max_epochs=10).",
+        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
+        "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), "
+        "-m sweeps, --cfg job.",
     )
     parser.add_argument("--ckpt", required=True, help="source .ckpt or .safetensors")
     parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
