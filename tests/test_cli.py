@@ -30,8 +30,11 @@ def ssogvit(*args: str, cwd: Path | None = None, timeout: float = 300, **env: st
     """`python -m ssogvit args...` with this environment (PYTHONPATH reaches it), one torch thread."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     full_env.pop("SSOGVIT_DEBUG", None) if "SSOGVIT_DEBUG" not in env else None
-    return subprocess.run([sys.executable, "-m", "ssogvit", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    res = subprocess.run([sys.executable, "-m", "ssogvit", *args], cwd=cwd, env=full_env, capture_output=True,
+                         timeout=timeout)
+    # decoded by hand: text mode would turn the `\r` of a progress bar into `\n`
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout.decode(errors="replace"),
+                                       res.stderr.decode(errors="replace"))
 
 
 def first_line(text: str) -> str:
