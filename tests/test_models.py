@@ -14,6 +14,7 @@ from ssogvit.models import (
     create_model,
     list_models,
     parse_model_name,
+    record_attention,
     timm_name,
 )
 
@@ -163,7 +164,7 @@ def test_ssog_saves_query_and_key_and_adds_5HR_plus_1_per_block(family, size):
     mha = meta_model(f"{family}-{size}-mha", num_classes=100)
     ssog = meta_model(f"{family}-{size}-ssog", num_classes=100)
     per_block = (2 * dim * dim + 2 * dim) - (5 * heads * 4 + 1)
-    assert n_params(mha) - n_params(ssog) == len(mha.blocks) * per_block
+    assert n_params(mha) - n_params(ssog) == len(mha.mixers()) * per_block  # one mixer per distinct block
 
 
 @pytest.mark.parametrize(
@@ -177,12 +178,24 @@ def test_continuous_mha_minus_ssog_is_the_papers_difference(size, paper_mha, pap
     assert abs(diff - paper) <= 0.005 + 0.05, (size, diff, paper)
 
 
+@pytest.mark.parametrize(
+    "size, paper_mha, paper_ssog", [("small", 3.07, 2.8), ("medium", 6.59, 5.9), ("base", 11.45, 10.3)]
+)
+def test_continuous_counts_are_6D2_below_the_papers(size, paper_mha, paper_ssog):
+    """docs/models.md: the paper's continuous counts exceed ours by 6 D^2 for both mixers, up to its printed rounding
+    and a few width-D vectors (biases, norms: 10 D allowed), which the rounding cannot resolve."""
+    dim = SIZES[size][0]
+    for mixer, paper, rounding in (("mha", paper_mha, 0.005e6), ("ssog", paper_ssog, 0.05e6)):
+        gap = paper * 1e6 - n_params(meta_model(f"ode-{size}-{mixer}", num_classes=100))
+        assert abs(gap - 6 * dim * dim) <= rounding + 10 * dim, (size, mixer, gap / dim**2)
+
+
 @pytest.mark.parametrize("mixer", ["mha", "ssog", "ssog-steered"])
 def test_looped_parameter_count_does_not_depend_on_T(mixer):
     counts = {t: n_params(meta_model(f"looped-small-{mixer}", num_classes=100, depth=t)) for t in (1, 6, 12, 24)}
     assert len(set(counts.values())) == 1
     model = meta_model(f"looped-small-{mixer}", num_classes=100)
-    assert len(model.blocks) == 1 and len(model.mixers()) == 1
+    assert len(model.blocks) == 12 and len(model.mixers()) == 1  # timm sees T applications of one block
     # one block plus embeddings and head: the discrete model with a single block
     assert counts[12] == n_params(meta_model(f"vit-small-{mixer}", num_classes=100, depth=1))
 
@@ -199,7 +212,7 @@ def test_euler_ode_equals_explicit_residual_loop(mixer, norm):
     out = model.forward_features(x, pre_norm=True)
     assert model.nfe == n
     z, grid = model.embed(x)
-    block = model.blocks[0]
+    block = model.blocks.block  # the one block of the flow
     for _ in range(n):  # z <- z + (1/n) f(z), f(z) = s (Mixer(N1 z) + MLP(N2 z)), s = n
         f = model.scale * (block.attn(block.norm1(z), grid=grid) + block.mlp(block.norm2(z)))
         z = z + (1.0 / n) * f
@@ -236,15 +249,16 @@ def test_solvers_converge_at_their_order_and_count_their_evaluations():
 
 
 def test_adjoint_gradients_match_backpropagation():
-    direct = _small_ode(solver="rk4", depth=8)
-    adjoint = _small_ode(solver="rk4", depth=8, adjoint=True)
+    # 16 steps: at 8 the rk4 error alone is ~1e-4 of the largest gradient for some seeds (measured over seeds 0-3)
+    direct = _small_ode(solver="rk4", depth=16)
+    adjoint = _small_ode(solver="rk4", depth=16, adjoint=True)
     adjoint.load_state_dict(direct.state_dict())
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     grads = []
     for model in (direct, adjoint):
         model(x).square().sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
-    assert direct.nfe == adjoint.nfe == 32
+    assert direct.nfe == adjoint.nfe == 64
     for k, g in grads[0].items():  # the adjoint solve differs from backprop by the rk4 error, O(h^4)
         torch.testing.assert_close(grads[1][k], g, rtol=0, atol=1e-4 * float(g.abs().max()), msg=k)
 
@@ -258,7 +272,7 @@ def test_centernorm_centres_and_scales_by_d_over_d_minus_1():
     expected = 1.25 * (z - z.mean(-1, keepdim=True)) * torch.arange(1.0, 6.0) + 0.5
     torch.testing.assert_close(norm(z), expected)
     model = create_model("ode-tiny-ssog", **TINY, norm="centernorm")
-    assert isinstance(model.blocks[0].norm1, CenterNorm) and isinstance(model.blocks[0].norm2, CenterNorm)
+    assert isinstance(model.blocks.block.norm1, CenterNorm) and isinstance(model.blocks.block.norm2, CenterNorm)
 
 
 # -- every family x mixer: gradients, finiteness, determinism, the forward contract ------------------------------
@@ -301,7 +315,7 @@ def test_with_ssog_the_class_token_never_sees_registers_nor_the_last_field(famil
         grads[name] = {k: p.grad for k, p in model.named_parameters()}
     assert torch.count_nonzero(grads["mha"]["reg_token"]) > 0
     assert grads[mixer]["reg_token"] is None or torch.count_nonzero(grads[mixer]["reg_token"]) == 0
-    last = f"blocks.{len(model.blocks) - 1}.attn."
+    last = f"blocks.{len(model.mixers()) - 1}.attn."
     field = {k: g for k, g in grads[mixer].items() if k.startswith(last) and k.split(".")[3] in FIELD_NAMES}
     assert len(field) == (4 if mixer == "ssog" else 13)
     dead = [k for k, g in field.items() if g is None or torch.count_nonzero(g) == 0]
@@ -329,8 +343,9 @@ def test_same_seed_same_model_same_output(family, mixer):
 def test_forward_features_contract(family, applications, mixer):
     model = create_model(f"{family}-tiny-{mixer}", **TINY, num_registers=2).eval()
     x = torch.randn(2, 3, 32, 48)  # 4 x 6 grid
+    with torch.no_grad(), record_attention(model) as attns:
+        tokens = model.forward_features(x)
     with torch.no_grad():
-        tokens, attns = model.forward_features(x, return_attn=True)
         pre = model.forward_features(x, pre_norm=True)
         logits = model(x)
     t = model.num_prefix_tokens + 4 * 6

@@ -141,7 +141,7 @@ def test_rectangular_and_changing_grids_between_calls():
     m = create_mixer("ssog", 16, 2)
     for grid in [(1, 9), (3, 7), (7, 3), (5, 5)]:
         x = torch.randn(2, 1 + grid[0] * grid[1], 16)
-        y, a = m(x, grid=grid, return_attn=True)
+        y, a = m(x, grid=grid), m.attention_matrix(x, grid)
         torch.testing.assert_close(y, m.proj(reference.dense_mix(a, m.v(x))), atol=1e-5, rtol=1e-4)
 
 
@@ -159,12 +159,14 @@ def test_kernel_cache_follows_parameter_updates():
 
 
 @pytest.mark.parametrize("name", ["mha", "mha-unfused", "ssog", "ssog-steered"])
-def test_mixers_survive_deepcopy_and_return_attention_on_request(name):
+def test_mixers_survive_deepcopy_and_give_their_attention_matrix(name):
     m = create_mixer(name, 16, 4).eval()
     x = torch.randn(2, 1 + 12, 16)
     with torch.no_grad():
         y = m(x, grid=(3, 4))
-        y2, a = m(x, grid=(3, 4), return_attn=True)
+        a = m.attention_matrix(x, grid=(3, 4))
+        values = m.v(x) if hasattr(m, "v") else m.qkv(x)[..., 32:]  # SSoG's values, or MHA's value rows
+        y2 = m.proj(reference.dense_mix(a, values))  # the matrix is what the forward applies
         y3 = copy.deepcopy(m)(x, grid=(3, 4))
     torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(y, y3)

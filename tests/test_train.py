@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssogvit.train import CheckpointError, load_model
+from ssogvit.train import CheckpointError, ConfigError, load_model
 from ssogvit.train.config import compose
 from ssogvit.train.io import atomic_checkpoint_io, read_model_config
-from ssogvit.train.losses import jasmin_penalty, jasmin_row_norm, topk_correct
+from ssogvit.train.losses import (
+    attention_penalty, jasmin_g, jasmin_options, jasmin_penalty, softmax_jacobian_estimate, softmax_jacobian_penalty,
+    topk_correct,
+)
 from ssogvit.train.run import resolve_resume, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,31 +45,129 @@ def _softmax_jacobian_norm(p: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(torch.diag(p) - torch.outer(p, p), ord=2))
 
 
-def test_jasmin_matches_the_softmax_jacobian_norm_where_exact():
+def test_softmax_jacobian_estimate_matches_the_norm_where_exact():
     rows = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]], dtype=torch.float64)
-    est = jasmin_row_norm(rows)
+    est = softmax_jacobian_estimate(rows)
     assert torch.allclose(est, torch.tensor([0.25, 0.0, 0.5], dtype=torch.float64))
     for p, e in zip(rows, est):
         assert math.isclose(float(e), _softmax_jacobian_norm(p), abs_tol=1e-12)
     # sorted order does not matter, and the estimate is within a factor 2 of the true norm on random rows
     p = torch.softmax(torch.randn(200, 7, dtype=torch.float64) * 3, dim=-1)
-    assert torch.allclose(jasmin_row_norm(p), jasmin_row_norm(p.flip(-1)))
+    assert torch.allclose(softmax_jacobian_estimate(p), softmax_jacobian_estimate(p.flip(-1)))
     true = torch.tensor([_softmax_jacobian_norm(r) for r in p], dtype=torch.float64)
-    ratio = jasmin_row_norm(p) / true
+    ratio = softmax_jacobian_estimate(p) / true
     assert float(ratio.min()) > 0.5 and float(ratio.max()) < 2.0
 
 
-def test_jasmin_penalty_reductions_and_gradient():
+def test_softmax_jacobian_penalty_reductions_and_gradient():
     logits = torch.randn(2, 3, 5, 5, requires_grad=True)  # (B, H, T, T)
     maps = [torch.softmax(logits, -1), torch.softmax(2 * logits, -1)]
-    mean, worst = jasmin_penalty(maps, "mean"), jasmin_penalty(maps, "max")
-    rows = torch.stack([jasmin_row_norm(m) for m in maps], 1)
+    mean, worst = softmax_jacobian_penalty(maps, reduce="mean"), softmax_jacobian_penalty(maps, reduce="max")
+    rows = torch.stack([softmax_jacobian_estimate(m) for m in maps], 1)
     assert torch.allclose(mean, rows.mean())
     assert torch.allclose(worst, rows.flatten(1).amax(1).mean()) and worst >= mean
     worst.backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="reduce"):
-        jasmin_penalty(maps, "sum")
+        softmax_jacobian_penalty(maps, reduce="sum")
+
+
+UNIFORM = [0.25, 0.25, 0.25, 0.25]
+ONE_HOT = [0.0, 0.0, 1.0, 0.0]
+TWO_POINT = [0.0, 0.5, 0.5, 0.0]
+EPS = 1e-12
+
+
+@pytest.mark.parametrize(
+    ("row", "k", "expected"),
+    [
+        # g_1 = p1 (1 - p1 + p2): uniform 1/4, one-hot 0, two-point 1/2
+        (UNIFORM, 0, math.log(0.25 + EPS)),
+        (ONE_HOT, 0, math.log(EPS)),
+        (TWO_POINT, 0, math.log(0.5 + EPS)),
+        # Eq. 9: uniform g_2 = 1/4, g_4 = (1/4)(3/4); two-point g_2 = (1/2)(1/2), g_3 = 0
+        (UNIFORM, 2, 0.0),
+        (UNIFORM, 4, math.log(0.25 + EPS) - math.log(3 / 16 + EPS)),
+        (ONE_HOT, 2, 0.0),
+        (TWO_POINT, 2, math.log(0.5 + EPS) - math.log(0.25 + EPS)),
+        (TWO_POINT, 3, math.log(0.5 + EPS) - math.log(EPS)),
+    ],
+)
+def test_jasmin_on_hand_computed_rows(row, k, expected):
+    a = torch.tensor(row, dtype=torch.float64).expand(1, 1, 4, 4)  # every row the same: max over rows is the row
+    assert math.isclose(float(jasmin_penalty([a], k)), expected, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_jasmin_reduces_by_max_over_rows_then_mean_over_heads_images_and_maps():
+    rows = torch.tensor([UNIFORM, ONE_HOT, TWO_POINT, UNIFORM], dtype=torch.float64)
+    g1 = torch.tensor([0.25, 0.0, 0.5, 0.25], dtype=torch.float64)  # hand-computed g_1 of each row
+    a = torch.stack([rows, rows.roll(1, 0), rows[[0, 0, 3, 1]]])[None]  # (1, 3, 4, 4): three heads
+    per_head = [math.log(float(g1.max()) + EPS), math.log(float(g1.max()) + EPS), math.log(0.25 + EPS)]
+    assert math.isclose(float(jasmin_penalty([a], 0)), sum(per_head) / 3, rel_tol=1e-12)
+    b = torch.tensor(UNIFORM, dtype=torch.float64).expand(1, 3, 4, 4)
+    both = float(jasmin_penalty([torch.cat([a, b])], 0))  # two images
+    assert math.isclose(both, (sum(per_head) / 3 + math.log(0.25 + EPS)) / 2, rel_tol=1e-12)
+    assert math.isclose(float(jasmin_penalty([a, b], 0)), both, rel_tol=1e-12)  # maps: their mean
+
+
+def _jasmin_by_loops(maps: list[torch.Tensor], k: int) -> float:
+    """Independent reference: python loops over images, heads and rows, sorting with `sorted`."""
+    def g(sorted_row: list[float], rank: int) -> float:
+        nxt = sorted_row[rank] if rank < len(sorted_row) else 0.0
+        return sorted_row[rank - 1] * (1 - sorted_row[rank - 1] + nxt)
+
+    per_map = []
+    for a in maps:
+        vals = []
+        for img in a.tolist():
+            for head in img:
+                losses = []
+                for row in head:
+                    s = sorted(row, reverse=True)
+                    loss = math.log(g(s, 1) + EPS)
+                    losses.append(loss - math.log(g(s, k) + EPS) if k else loss)
+                vals.append(max(losses))
+        per_map.append(sum(vals) / len(vals))
+    return sum(per_map) / len(per_map)
+
+
+@pytest.mark.parametrize("k", [0, 2, 10])
+def test_jasmin_matches_a_loop_reference_on_random_maps(k):
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(3, 2, 12, 12, 3, dtype=torch.float64, generator=gen) * 3  # 3 maps of (3, 2, 12, 12)
+    logits.requires_grad_(True)
+    maps = list(torch.softmax(logits, dim=-2).unbind(-1))
+    got = jasmin_penalty(maps, k)
+    assert got.dtype == torch.float64
+    assert math.isclose(float(got.detach()), _jasmin_by_loops([m.detach() for m in maps], k), rel_tol=1e-12)
+    got.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    # row order inside a row does not matter
+    perm = torch.randperm(12, generator=gen)
+    assert math.isclose(float(jasmin_penalty([m[..., perm] for m in maps], k)), float(got.detach()), rel_tol=1e-12)
+    # `maps=last` penalises only the last map of the forward pass
+    opts = jasmin_options({"k": k})
+    assert opts == {"kind": "jasmin", "k": k, "maps": "last", "reduce": "mean"}
+    assert math.isclose(float(attention_penalty(maps, **opts)), _jasmin_by_loops([maps[-1].detach()], k),
+                        rel_tol=1e-12)
+    assert math.isclose(float(attention_penalty(maps, **{**opts, "maps": "all"})), float(got.detach()), rel_tol=1e-12)
+
+
+def test_jasmin_g_and_bad_options_are_clear_errors():
+    p = torch.tensor(TWO_POINT, dtype=torch.float64)
+    assert [float(jasmin_g(p, k)) for k in (1, 2, 3, 4)] == [0.5, 0.25, 0.0, 0.0]
+    a = torch.tensor(UNIFORM, dtype=torch.float64).expand(1, 1, 4, 4)
+    for bad, match in [(1, "k must be 0"), (-1, "k must be 0"), (5, "k <= 4")]:
+        with pytest.raises(ValueError, match=match):
+            jasmin_penalty([a], bad)
+    with pytest.raises(ValueError, match="attention maps"):
+        jasmin_penalty([], 0)
+    with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
+        jasmin_penalty([a[0]], 0)
+    for cfg, match in [({"kind": "spectral"}, "kind"), ({"maps": "first"}, "maps"), ({"k": 1}, "k must be"),
+                       ({"reduce": "sum"}, "reduce"), ({"wieght": 1}, "unknown loss.jasmin keys")]:
+        with pytest.raises(ValueError, match=match):
+            jasmin_options(cfg)
 
 
 def test_topk_counts():
@@ -202,8 +303,8 @@ def test_eval_and_transfer_commands(trained, tmp_path, capsys):
 
 def test_jasmin_and_ema_options_train(tmp_path):
     out = tmp_path / "opts"
-    s = train(compose(tiny(out, "loss.jasmin.weight=0.5", "loss.jasmin.reduce=max", "ema.enabled=true",
-                           "ema.decay=0.9", mixer="mha", epochs=1)), verbose=False)
+    s = train(compose(tiny(out, "loss.jasmin.weight=0.5", "loss.jasmin.kind=softmax-jacobian", "loss.jasmin.reduce=max",
+                           "ema.enabled=true", "ema.decay=0.9", mixer="mha", epochs=1)), verbose=False)
     assert math.isfinite(s["metrics"]["train/jasmin"]) and 0 < s["metrics"]["train/jasmin"] <= 0.5
     assert "val_ema/top1" in s["metrics"]
     ema = load_model(out / "export" / "model_ema.safetensors")
@@ -211,3 +312,13 @@ def test_jasmin_and_ema_options_train(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(ema.state_dict().values(), raw.state_dict().values()))
     torch.testing.assert_close(load_model(out / "checkpoints" / "last.ckpt", use_ema=True).state_dict()["head.weight"],
                                ema.state_dict()["head.weight"])
+
+
+def test_ode_mha_trains_with_jasmin_as_odevit_does(tmp_path):
+    """The ODE-ViT recipe (Eq. 9, k=10, last map, weight 1) trains end to end; a bad option stops the run early."""
+    base = tiny(tmp_path / "ode", "model=ode", "loss.jasmin.weight=1.0", mixer="mha", epochs=1)
+    s = train(compose(base), verbose=False)
+    assert math.isfinite(s["metrics"]["train/jasmin"])
+    with pytest.raises(ConfigError, match="loss.jasmin.k"):
+        train(compose([*base, "loss.jasmin.k=1", f"output_dir={tmp_path / 'bad'}"]), verbose=False)
+    assert not (tmp_path / "bad").exists()  # nothing is written before the launch is known to be valid

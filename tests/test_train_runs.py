@@ -42,14 +42,15 @@ def tiny(out: Path, *extra: str, epochs: int = 2) -> list[str]:
     ]
 
 
-def digits(out: Path, *extra: str) -> list[str]:
+def digits(out: Path, *extra: str, epochs: int = 4) -> list[str]:
     """The main job's recipe shrunk: digits with random crops, mixup/cutmix, drop path and one loader worker, so that
-    the torch, numpy and Python RNGs and the workers' seeds all shape the result (4 epochs of 6 steps)."""
+    the torch, numpy and Python RNGs and the workers' seeds all shape the result (epochs of 6 steps)."""
     return [
         "experiment=digits_vit_ssog", "model.kwargs.depth=1", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
         "model.kwargs.drop_path_rate=0.1", "mixup.mixup_alpha=0.8", "mixup.cutmix_alpha=1.0", "data.batch_size=32",
-        "data.num_workers=1", "trainer.max_epochs=4", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
-        "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+        "data.num_workers=1", f"trainer.max_epochs={epochs}", "trainer.limit_train_batches=6",
+        "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1",
         "ckpt.every_n_train_steps=2", f"output_dir={out}", *extra,
     ]
 
@@ -101,23 +102,24 @@ def finished(tmp_path_factory) -> Path:
 
 
 # exact resume ---------------------------------------------------------------------------------------------------------
-def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("max_kills,epochs,window", [(3, 4, 3.0), pytest.param(10, 12, 1.5, marks=pytest.mark.slow)])
+def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path, max_kills, epochs, window):
     """SIGKILL at random moments over several launches, then a launch that finishes: same steps, every validation
     epoch logged once, bit-identical weights to one uninterrupted launch (same machine, threads, workers)."""
     ref = tmp_path / "ref"
-    assert cli_main(["train", *digits(ref)]) == 0  # in this process: one thread, as in the subprocesses
+    assert cli_main(["train", *digits(ref, epochs=epochs)]) == 0  # in this process: one thread, as in the subprocesses
     run, rng, kills, delays = tmp_path / "killed", random.Random(), 0, []
-    for _ in range(12):
-        child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run)], env=ENV,
+    for _ in range(max_kills + 10):
+        child = subprocess.Popen([sys.executable, "-m", "ssogvit", "train", *digits(run, epochs=epochs)], env=ENV,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < 3:
+        if kills < max_kills:
             deadline = time.monotonic() + 120  # the folder is claimed: the lock holds the child's pid
             while time.monotonic() < deadline and child.poll() is None:
                 lock = run / ".lock"
                 if lock.is_file() and lock.read_text().strip() == str(child.pid):
                     break
                 time.sleep(0.02)
-            delays.append(round(rng.uniform(0.0, 3.0), 2))
+            delays.append(round(rng.uniform(0.0, window), 2))
             time.sleep(delays[-1])
             if child.poll() is None:
                 child.send_signal(signal.SIGKILL)
@@ -126,11 +128,12 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path)
         if child.returncode == 0:
             break
         assert child.returncode == -signal.SIGKILL, err[-3000:]
+    print(f"SIGKILLs survived: {kills} (after {delays} s)")
     assert child.returncode == 0 and kills >= 1, (kills, delays)
     last = read_checkpoint(run / "checkpoints" / "last.ckpt")
     ref_last = read_checkpoint(ref / "checkpoints" / "last.ckpt")
-    assert last["global_step"] == ref_last["global_step"] == 24 and last["epoch"] == ref_last["epoch"] == 4
-    assert val_epochs(run) == val_epochs(ref) == [0, 1, 2, 3], (val_epochs(run), kills, delays)
+    assert last["global_step"] == ref_last["global_step"] == 6 * epochs and last["epoch"] == ref_last["epoch"] == epochs
+    assert val_epochs(run) == val_epochs(ref) == list(range(epochs)), (val_epochs(run), kills, delays)
     a, b = weights(ref / "export" / "model.safetensors"), weights(run / "export" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), (kills, delays)
     for k, v in b.items():  # last.ckpt is the final state: the exported weights
@@ -215,6 +218,10 @@ def test_a_folder_with_run_files_but_no_config_is_refused(tmp_path, capsys):
     assert cli_main(["train", *tiny(out)]) == 2
     assert_clear_error(2, capsys.readouterr().err, "files of another run", "checkpoints")
     assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == [".lock", "checkpoints"]
+    (tmp_path / "file").write_text("x")  # output_dir names a file
+    assert cli_main(["train", *tiny(tmp_path / "file")]) == 2
+    assert_clear_error(2, capsys.readouterr().err, "is a file, not a folder")
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_a_live_run_holds_its_folder(tmp_path):
@@ -304,6 +311,20 @@ def test_files_honour_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o666 & ~umask
+
+
+def test_the_folder_is_flushed_after_the_rename(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        synced.append(("dir" if is_dir else "file", (tmp_path / "f").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write(tmp_path / "f", lambda tmp: Path(tmp).write_text("x"))
+    assert synced == [("file", False), ("dir", True)]  # the data before the rename, the folder's entry after it
 
 
 def test_a_run_writes_group_readable_files_under_umask_002(tmp_path):
@@ -396,11 +417,32 @@ BAD_INPUTS = [
     (["transfer", "--ckpt", "/nonexistent/x.ckpt", "data=synthetic"], ["does not exist"]),
     (["main", "--mixers", "ssog,foo"], ["unknown mixer"]),
 ]
+# values a run config may not take, on top of a run that is otherwise fine: refused before anything is written
+SYN = ["data=synthetic", "data.img_size=16", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
+       "model.kwargs.depth=1", "model.kwargs.patch_size=4", "trainer.accelerator=cpu"]
+BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
+    ("trainer.max_epochs=-5", "trainer.max_epochs=-5"), ("trainer.max_epochs=abc", "trainer.max_epochs"),
+    ("data.batch_size=0", "data.batch_size=0"), ("data.num_workers=-1", "data.num_workers"),
+    ("data.train_size=0", "num_samples"), ("data.in_chans=0", "0 channels"), ("optim.lr=nan", "optim.lr=nan"),
+    ("optim.lr=-1", "optim.lr=-1"), ("optim.opt=nope", "optim.opt"), ("seed=abc", "seed"),
+    ("sched.warmup_epochs=-1", "sched.warmup_epochs"), ("loss.smoothing=2", "loss.smoothing"),
+    ("loss.jasmin.reduce=sum", "loss.jasmin.reduce"), ("mixup.mixup_alpha=-1", "mixup.mixup_alpha"),
+    ("ema.decay=2", "ema.decay"), ("ckpt.monitor=val/loss", "ckpt.monitor"), ("ckpt.monitor=val_ema/top1", "ema"),
+    ("ckpt.keep=-5", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "every_n_train_steps"),
+    ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
+    ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
+    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "not divisible by the patch size 5"),
+    ("model.kwargs.embed_dim=0", "cannot run"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
+    ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
+    ("output_dir= ", "output_dir is empty"),
+]]
 
 
-@pytest.mark.parametrize("argv,needles", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in BAD_INPUTS])
+@pytest.mark.parametrize("argv,needles", BAD_INPUTS, ids=[" ".join(a[-2:])[:50] for a, _ in BAD_INPUTS])
 def test_bad_inputs_are_short_errors(argv, needles, tmp_path, capsys):
-    if argv[0] == "train":
+    if argv[0] not in ("train", "eval", "transfer", "main"):  # run config overrides
+        argv = ["train", *argv]
+    if argv[0] == "train" and not any(a.startswith("output_dir=") for a in argv):
         argv = [*argv, f"output_dir={tmp_path / 'out'}"]
     try:
         code = cli_main(argv)

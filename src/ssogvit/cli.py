@@ -20,7 +20,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("ssogvit.train.cli", "eval_main", "evaluate a checkpoint, optionally at another image or patch size"),
     "transfer": ("ssogvit.train.cli", "transfer_main", "linear probe or fine-tune a checkpoint on another dataset"),
     "list": ("ssogvit.train.cli", "list_main", "list models, mixers and experiment configs"),
+    "report": ("ssogvit.train.report", "main", "paper tables (ours beside the paper's) and curves from finished runs"),
     "bench": ("ssogvit.bench.cli", "main", "efficiency benchmarks: models, operator, flops"),
+    "export": ("ssogvit.export", "main", "write a checkpoint as ONNX, TorchScript or an exported program; check parity"),
     "analyze": ("ssogvit.analysis.cli", "main", "look inside a model: fields, atoms, lipschitz, sinks, steering, transfer"),
 }
 

@@ -93,11 +93,19 @@ def field_tau(theta: Tensor, tau_min: float) -> Tensor:
     return tau_min + F.softplus(theta)
 
 
+def functional_only() -> bool:
+    """Under ``torch.jit.trace`` or ``torch.export`` (the dynamo ONNX exporter included): the inference shortcuts that
+    write into buffers (in-place ops, slice writes into views of a preallocated output) are not taken there, because
+    an exported graph need not keep their aliasing (the TorchScript-based ONNX export of SSoG gave logits off by up to
+    6 with them; docs/models.md). ``torch.compile`` alone functionalises mutations itself and keeps the fast paths."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
 def _flush_tiny(k: Tensor) -> Tensor:
     # Softmax tails far below the smallest normal number are denormals; a matmul that meets them runs several times
     # slower on x86 CPUs. Their contribution is below rounding, so they are set to exactly zero (PERF-NOTES 1).
     tiny = torch.finfo(k.dtype).tiny
-    if torch.is_grad_enabled() and k.requires_grad:
+    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
         return k.masked_fill(k < tiny, 0.0)
     return k.masked_fill_(k < tiny, 0.0)  # inference: no second table-sized allocation
 
@@ -107,7 +115,7 @@ def _flush_tiny_product(k: Tensor) -> Tensor:
     tail entry below the smallest normal number again. The gradient passes through unchanged (the flushed values are
     below 1e-38, the gradient at them is not), so the result's gradients match the unflushed product's exactly."""
     tiny = torch.finfo(k.dtype).tiny
-    if torch.is_grad_enabled() and k.requires_grad:
+    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
         return k - k.masked_fill(k >= tiny, 0.0).detach()
     return k.masked_fill_(k < tiny, 0.0)
 
@@ -152,7 +160,7 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
     pos = torch.arange(length, device=mu.device, dtype=dtype)
     offset = (query + mu)[..., None]  # S + (1,)
     neg_inv = (-0.5 / (sigma.square() * tau))[..., None]  # S + (1,)
-    if torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad):
+    if (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)) or functional_only():
         logits = (pos - offset).square() * neg_inv
     else:  # inference: one table-sized buffer, updated in place
         logits = (pos - offset).square_().mul_(neg_inv)
@@ -220,6 +228,10 @@ def ssog_mix(
     grad_needed = torch.is_grad_enabled() and any(t.requires_grad for t in (values, ky, kx, lam))
     if inplace and grad_needed:
         raise ValueError("ssog_mix(inplace=True) overwrites the values, which autograd needs: use it without grad")
+    if inplace and functional_only():
+        raise ValueError("ssog_mix(inplace=True) cannot be traced or exported: the graph would lose the aliasing")
+    if impl in ("auto", "stacked") and functional_only():
+        impl = "einsum"  # no writes into a preallocated output (see functional_only)
     if impl == "triton" or (impl == "auto" and values.is_cuda and _triton_ready(values, grid, lam.shape[1])):
         from ssogvit.kernels import ssog_mix_triton  # imports Triton on first use only
 
@@ -437,11 +449,19 @@ def ssog_mix_steered(
         raise ValueError(
             "ssog_mix_steered(inplace=True) overwrites the values, which autograd needs: use it without grad"
         )
-    out_all = values if inplace else values.new_empty(b, t, d)
-    if p:  # before any patch row is overwritten
+    functional = functional_only()  # then each chunk's result is kept and concatenated, nothing written in place
+    if inplace and functional:
+        raise ValueError(
+            "ssog_mix_steered(inplace=True) cannot be traced or exported: the graph would lose the aliasing"
+        )
+    out_all = values if inplace else None if functional else values.new_empty(b, t, d)
+    if p and not functional:  # before any patch row is overwritten
         out_all[:, :p] = values[:, p:].mean(dim=1, keepdim=True)
-    out = out_all[:, p:].view(b, gh, gw, h, dh)
-    inference = not (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad or lam.requires_grad))
+    out = None if functional else out_all[:, p:].view(b, gh, gw, h, dh)
+    chunks = []
+    inference = not functional and not (
+        torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad or lam.requires_grad)
+    )
     for h0 in range(0, h, chunk):
         hs = slice(h0, min(h, h0 + chunk))
         c = hs.stop - h0
@@ -463,13 +483,20 @@ def ssog_mix_steered(
         kx = kx.mul_(weights) if inference else kx * weights
         # flushed in place in training too: this table is internal, and the gradient lost at flushed entries reaches
         # mu, sigma and lambda multiplied by a kernel value below tiny / lambda (see _flush_tiny_product)
-        kx = kx.masked_fill_(kx < torch.finfo(kx.dtype).tiny, 0.0).to(values.dtype)
+        tiny = torch.finfo(kx.dtype).tiny
+        kx = (kx.masked_fill(kx < tiny, 0.0) if functional else kx.masked_fill_(kx < tiny, 0.0)).to(values.dtype)
         # row pass, batched over (b, iy, h): (ix, (r, k)) @ ((r, k), d)
         u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
         del u
         y = torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
         del kx, u_b
-        out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
+        if functional:
+            chunks.append(y.permute(0, 1, 3, 2, 4))
+        else:
+            out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
+    if functional:
+        mixed = torch.cat(chunks, dim=3).reshape(b, gh * gw, d)
+        return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
     return out_all
 
 

@@ -70,15 +70,20 @@ class TimmSSoGAttention(SSoGAttention):
         *,
         grid: tuple[int, int] | None = None,
         num_prefix_tokens: int | None = None,
-        return_attn: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         if attn_mask is not None or is_causal:
             raise ValueError("SSoG mixes by relative grid position and takes no attention mask or causal flag")
+        prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
+        return super().forward(x, self._grid(grid), num_prefix_tokens=prefix)
+
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:  # type: ignore[override]
+        return super().attention_matrix(x, self._grid(grid))
+
+    def _grid(self, grid: tuple[int, int] | None) -> tuple[int, int]:
         grid = grid if grid is not None else self._grid_tracker.grid
         if grid is None:
             raise ValueError("no patch grid recorded yet: run the timm model's forward (or pass grid=(Gh, Gw))")
-        prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
-        return super().forward(x, grid, num_prefix_tokens=prefix, return_attn=return_attn)
+        return grid
 
 
 def _named(module: nn.Module) -> set[str]:

@@ -180,7 +180,8 @@ def run_steering(models, cfg, args, out: Path) -> dict:
     rows = [(label, r["layer"], r["gates"].get("mu"), r["gates"].get("sigma"), r["gates"].get("lambda"),
              r["mean_delta_mu"], r["max_delta_mu"], r["effective_radius"], r["mean_log_sigma_ratio"],
              r["mean_lambda_tv"]) for label, s in stats.items() for r in s["mixers"]]
-    head = ["model", "mixer", "s_mu", "s_sigma", "s_lambda", "mean |Δμ|", "max |Δμ|", "eff. radius s_μ·M",
+    head = ["model", "mixer", "s_mu", "s_sigma", "s_lambda", "mean |Δμ| per axis", "max |Δμ| per axis",
+            "eff. radius s_μ·M",
             "mean |log σ_t/σ|", "mean TV(λ_t, λ)"]
     md = "## Steering statistics\n\n" + (markdown_table(head, rows) if rows else "No steered mixer.\n")
     steered = {label: s for label, s in stats.items() if s["mixers"]}
@@ -195,7 +196,7 @@ def run_steering(models, cfg, args, out: Path) -> dict:
             continue
         mean = sum(r["mean_delta_mu"] for r in s["mixers"]) / len(s["mixers"])
         gates = {k: max(r["gates"].get(k, 0.0) for r in s["mixers"]) for k in ("mu", "sigma", "lambda")}
-        print(f"steering  {label}: mean |Δμ| {mean:.4g} cells, largest gates " +
+        print(f"steering  {label}: mean |Δμ| per axis {mean:.4g} cells, largest gates " +
               ", ".join(f"s_{k} {v:.3g}" for k, v in gates.items()) +
               f", effective radius up to {max(r['effective_radius'] for r in s['mixers']):.3g} cells")
     return {"stats": stats, "files": files}

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.models.maps import record_attention
+
 from ._common import is_ssog, mixer_rows
 from .atoms import effective_atoms
 
@@ -108,7 +110,8 @@ def query_field_maps(
     qy, qx = query if query is not None else (grid[0] // 2, grid[1] // 2)
     if not (0 <= qy < grid[0] and 0 <= qx < grid[1]):
         raise ValueError(f"query {(qy, qx)} is outside the grid {grid}")
-    _, maps = model.forward_features(image[None], return_attn=True)
+    with record_attention(model) as maps:
+        model.forward_features(image[None])
     prefix = int(model.num_prefix_tokens)
     q = prefix + qy * grid[1] + qx
     return [m[0, :, q, prefix:].mean(0).reshape(grid).float().cpu() for m in maps], (qy, qx)
@@ -131,15 +134,18 @@ def plot_query_fields(
     max_columns: int = 6,
 ) -> tuple[Path, dict]:
     """Dense attention field of one query on `image`, overlaid on it: one row per model, one column per (selected)
-    mixer application. Returns the path and, per model, the share of attention inside the 3x3 cells around the query
-    and the peak weight, per application drawn."""
+    mixer application, every panel on one colour scale (0 to the largest weight drawn), shown by a colour bar.
+    Returns the path and, per model, the share of attention inside the 3x3 cells around the query and the peak
+    weight, per application drawn."""
     from matplotlib.patches import Rectangle
 
     plt = _pyplot()
     fields = {label: query_field_maps(m, image, query) for label, m in models.items()}
     cols = max(len(_pick(len(f[0]), max_columns)) for f in fields.values())
-    fig, axes = plt.subplots(len(models), cols, figsize=(max(2.4 * cols, 5.5), 2.8 * len(models) + 0.6), squeeze=False,
-                             layout="constrained")
+    vmax = max(float(maps[i].max()) for maps, _ in fields.values() for i in _pick(len(maps), max_columns))
+    drawn = None
+    fig, axes = plt.subplots(len(models), cols, figsize=(max(2.6 * cols, 5.5) + 1.2, 2.8 * len(models) + 0.6),
+                             squeeze=False, layout="constrained")
     shown = _display(image)
     hgt, wid = image.shape[-2:]
     summary = {}
@@ -158,11 +164,14 @@ def plot_query_fields(
             summary[label]["local_3x3"].append(local)
             summary[label]["peak"].append(field.max().item())
             ax.imshow(shown, cmap="gray", extent=(0, wid, hgt, 0), interpolation="nearest")
-            ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0), interpolation="nearest",
-                      vmin=0)
+            drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0),
+                              interpolation="nearest", vmin=0.0, vmax=vmax)
             ax.add_patch(Rectangle((qx * p, qy * p), p, p, fill=False, edgecolor="cyan", lw=1.2))
-            ax.set_title(f"{label}\napplication {picks[c]}: 3x3 mass {local:.2f}, peak {field.max().item():.2f}",
+            ax.set_title(f"{label}, application {picks[c]}\n3x3 mass {local:.2f}, peak {field.max().item():.2f}",
                          fontsize=7)
+    if drawn is not None:
+        bar = fig.colorbar(drawn, ax=axes, shrink=0.6, label="attention weight (heads averaged), one scale")
+        bar.solids.set_alpha(1.0)
     fig.suptitle(f"attention of query cell (y={qy}, x={qx}) (cyan) over the patches, heads averaged", fontsize=9)
     return _save(fig, path), summary
 

@@ -203,7 +203,7 @@ def local_lipschitz_growth(
             x = r * x / x.norm(dim=-1, keepdim=True)
             local.append(jacobian_spectral_norm(fn, x, iters=iters, rtol=1e-4, generator=gen))
             with torch.no_grad():
-                _, attn = mixer64(x, grid=grid, return_attn=True)
+                attn = mixer64.attention_matrix(x, grid)
             frozen.append(_frozen_bound(attn, mixer64))
         rows.append({"radius": float(r), "local_max": max(local), "local_mean": sum(local) / len(local),
                      "frozen_bound_max": max(frozen)})
@@ -246,6 +246,9 @@ def lipschitz_report(
     return out
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def plot_lipschitz(reports: dict[str, dict], path) -> object:
     """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
     from .fields import _pyplot, _save
@@ -256,7 +259,7 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         return None
     plt = _pyplot()
     panels = int(has_fixed) + int(has_steered)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered, 3.6), squeeze=False)
     axes = list(axes[0])
     if has_fixed:
         ax = axes.pop(0)
@@ -280,14 +283,16 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
             for i, row in enumerate(rep["steered"]):
                 g = row["growth"]
                 style = dict(color=f"C{k}", alpha=0.35 + 0.65 * (i + 1) / len(rep["steered"]))
-                ax.plot([r["radius"] for r in g], [r["local_max"] for r in g], "o-", ms=3, **style,
-                        label=f"{label}: local ||J||, {row['layer']}" if i in (0, len(rep["steered"]) - 1) else None)
-                ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], ":", **style)
+                marker = _MARKERS[i % len(_MARKERS)]
+                ax.plot([r["radius"] for r in g], [r["local_max"] for r in g], f"{marker}-", ms=4, **style,
+                        label=f"{label}: local ||J||, {row['layer']}")
+                ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], f"{marker}:", ms=3, **style,
+                        label=f"{label}: frozen-geometry bound, {row['layer']}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("token norm r (ball radius)")
         ax.set_ylabel("largest ||J(x)||₂ found, ||x_t|| = r")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no line
         ax.set_title("steered SSoG: local constant vs input norm (dotted: frozen-geometry bound)", fontsize=8)
     fig.tight_layout()
     return _save(fig, path)

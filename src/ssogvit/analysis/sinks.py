@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ssogvit.models.maps import record_attention
+
 HIGH_NORM_FACTOR = 3.0
 
 
@@ -154,20 +156,31 @@ def sink_report(model, images: Tensor, *, batch_size: int = 32) -> dict:
     model.eval()
     batches = []
     for i in range(0, len(images), batch_size):
-        tokens, maps = model.forward_features(images[i: i + batch_size], return_attn=True, pre_norm=True)
+        with record_attention(model) as maps:
+            tokens = model.forward_features(images[i: i + batch_size], pre_norm=True)
         batches.append(per_image_sink_stats(maps, tokens, int(model.num_prefix_tokens)))
     return summarize_sink_stats(concat_sink_stats(batches))
 
 
 def plot_sinks(summaries: dict[str, dict], path) -> object:
-    """Sink score, same-key share and CLS mass per mixer application, one line per model."""
+    """Sink score, same-key share and CLS mass per mixer application, one line per model.
+
+    Models often coincide (every SSoG model has same-key share 1 and CLS mass 0), so the first model is a thick,
+    light line with small filled markers and each later one a thin line with larger hollow markers drawn on top: a
+    line never hides another.
+    """
     from .fields import _pyplot, _save
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1)))]
     for k, (label, s) in enumerate(summaries.items()):
+        marker, line = styles[k % len(styles)]
+        look = (dict(lw=4.0, alpha=0.45, ms=4) if k == 0 else
+                dict(lw=1.4, ms=6 + 2 * k, mfc="none", mew=1.4))
         for ax, key in zip(axes, ("sink_per_layer", "same_key_per_layer", "cls_mass_per_layer")):
-            ax.plot(range(len(s[key])), s[key], "o-", ms=3, color=f"C{k}", label=label)
+            ax.plot(range(len(s[key])), s[key], marker=marker, ls=line, color=f"C{k}", zorder=2 + k, label=label,
+                    **look)
     axes[0].axhline(1.0, color="0.6", lw=0.8, ls="--")
     for ax, title in zip(axes, ("sink score (1 = no sink)", "same-key share", "CLS mass from patch queries")):
         ax.set_title(title, fontsize=9)

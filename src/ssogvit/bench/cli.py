@@ -96,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="throughput and peak memory of whole models over resolutions and batches")
     m.add_argument("--families", nargs="+", default=["vit", "looped", "ode"])
     m.add_argument("--sizes", nargs="+", default=["base"])
-    m.add_argument("--mixers", nargs="+", default=["mha", "ssog"])
+    m.add_argument("--mixers", nargs="+", default=None,
+                   help="mixers of every family (default: mha ssog; the ode family adds mha-unfused, the explicit "
+                        "attention that the paper benchmarks ODE-ViT with, and is compared with it first)")
     m.add_argument("--num-classes", type=int, default=1000)
     m.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="more create_model options (e.g. depth=2)")
     _add_run_options(m)

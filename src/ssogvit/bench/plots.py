@@ -25,24 +25,25 @@ def _ok(rows: Sequence[dict]) -> list[dict]:
 
 
 def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha") -> Path | None:
-    """Relative throughput (x the baseline mixer's) and memory saved (%) against resolution, one line per family
-    and mixer (line style: batch size)."""
+    """Relative throughput (x the baseline mixer's) and memory saved (%) against resolution, one line per family,
+    mixer and baseline (`model_table`; the ODE family's paper-faithful `mha-unfused` baseline first), line style:
+    batch size."""
     from ssogvit.bench.model_sweep import model_table
 
-    table = [r for r in model_table(rows, baseline) if r.get("mixer") != baseline and "speedup" in r]
+    table = [r for r in model_table(rows, baseline) if r.get("mixer") != r["baseline"] and "speedup" in r]
     if not table:
         return None
     plt = _plt()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = sorted({(r["family"], r["size"], r["mixer"]) for r in table})
+    series = list(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"]) for r in table))
     batches = sorted({r["batch"] for r in table})
     for i, key in enumerate(series):
         for j, b in enumerate(batches):
             pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
-                         if (r["family"], r["size"], r["mixer"]) == key and r["batch"] == b)
+                         if (r["family"], r["size"], r["mixer"], r["baseline"]) == key and r["batch"] == b)
             if not pts:
                 continue
-            label = f"{key[0]}-{key[1]} {key[2]}" + (f", batch {b}" if len(batches) > 1 else "")
+            label = f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", batch {b}" if len(batches) > 1 else "")
             kw = dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
             ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **kw)
             mem = [(p[0], 100 * p[2]) for p in pts if p[2] is not None]
@@ -50,8 +51,8 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
                 ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=label, **kw)
     ax_t.axhline(1.0, color="grey", lw=0.8)
     ax_m.axhline(0.0, color="grey", lw=0.8)
-    ax_t.set(xlabel="resolution (px)", ylabel=f"throughput / {baseline} throughput", title="Relative throughput")
-    ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title=f"Peak memory saved against {baseline}")
+    ax_t.set(xlabel="resolution (px)", ylabel="throughput / baseline throughput", title="Relative throughput")
+    ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title="Peak memory saved against the baseline")
     for ax in (ax_t, ax_m):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -64,6 +65,8 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
 def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
     """Throughput (top) and peak memory (bottom) against resolution, one column per family, one line per mixer
     and batch size."""
+    from ssogvit.bench.model_sweep import BASELINE_NAMES
+
     ok = _ok(rows)
     if not ok:
         return None
@@ -81,7 +84,7 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
                 if not pts:
                     continue
                 kw = dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}",
-                          label=f"{mixer}, batch {b}")
+                          label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}")
                 ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
                 mem = [p for p in pts if p[2] is not None]
                 ax_m.plot([p[0] for p in mem], [p[2] for p in mem], **kw)

@@ -49,37 +49,40 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(
-        self,
-        x: Tensor,
-        grid: tuple[int, int] | None = None,
-        *,
-        num_prefix_tokens: int | None = None,
-        return_attn: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
+    ) -> Tensor:
         """Attend over all tokens. ``grid`` is checked against the token count but not otherwise used.
 
         Args:
             x: ``(B, T, D)``.
             grid: ``(Gh, Gw)`` of the patch tokens, optional.
             num_prefix_tokens: ``P``, checked with ``grid``: ``T`` must then be ``P + Gh*Gw``.
-            return_attn: also return the ``(B, H, T, T)`` attention matrix (explicit path, diagnostics only).
         """
+        q, k, v = self._qkv(x, grid, num_prefix_tokens)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            y = self.attn_drop(self._probs(q, k)) @ v
+        b, t, d = x.shape
+        return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
+        """The ``(B, H, T, T)`` attention probabilities for ``x`` (the explicit path; diagnostics)."""
+        q, k, _ = self._qkv(x, grid, None)
+        return self._probs(q, k)
+
+    def _probs(self, q: Tensor, k: Tensor) -> Tensor:
+        return torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)  # (B, H, T, T)
+
+    def _qkv(self, x: Tensor, grid: tuple[int, int] | None, num_prefix_tokens: int | None) -> tuple[Tensor, ...]:
         if x.ndim != 3:
             raise ValueError(f"Attention expects x of shape (B, T, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is not None:
             ops.check_grid(x.shape[1], grid, num_prefix_tokens)
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
-        attn = None
-        if self.fused and not return_attn:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            attn = torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)  # (B, H, T, T)
-            y = self.attn_drop(attn) @ v
-        y = self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
-        return (y, attn) if return_attn else y
+        b, t, _ = x.shape
+        return self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, fused={self.fused}"

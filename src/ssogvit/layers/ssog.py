@@ -170,7 +170,7 @@ class SSoGAttention(nn.Module):
         return ky, kx
 
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        use_cache = self.cache_kernels and not torch.is_grad_enabled()
+        use_cache = self.cache_kernels and not torch.is_grad_enabled() and not ops.functional_only()
         if use_cache:
             params = (self.mu, self.rho, self.ell, self.theta)
             key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
@@ -212,21 +212,15 @@ class SSoGAttention(nn.Module):
     # -- forward ---------------------------------------------------------------------------------------------------
 
     def forward(
-        self,
-        x: Tensor,
-        grid: tuple[int, int] | None = None,
-        *,
-        num_prefix_tokens: int | None = None,
-        return_attn: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Mix tokens.
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
+    ) -> Tensor:
+        """Mix tokens. The dense matrix this applies is ``attention_matrix(x, grid)`` (diagnostics).
 
         Args:
             x: ``(B, P + Gh*Gw, D)``, prefix tokens first, patches in raster order.
             grid: ``(Gh, Gw)``, two ints, required.
             num_prefix_tokens: ``P``, when the caller knows it (models pass it): a token count other than
                 ``P + Gh*Gw`` is then an error, never a reinterpretation of patches as prefix tokens.
-            return_attn: also return the dense ``(B, H, T, T)`` mixing matrix (slow; diagnostics only).
         """
         if x.ndim != 3:
             raise ValueError(f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
@@ -239,8 +233,8 @@ class SSoGAttention(nn.Module):
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
-        # less at the peak).
-        inplace = not (torch.is_grad_enabled() and values.requires_grad)
+        # less at the peak). Never while tracing or exporting (``ops.functional_only``).
+        inplace = not (torch.is_grad_enabled() and values.requires_grad) and not ops.functional_only()
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
             chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
@@ -254,10 +248,7 @@ class SSoGAttention(nn.Module):
                 values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
             )
         del values  # in inference the values are freed before the output projection allocates its result
-        out = self.proj_drop(self.proj(mixed))
-        if return_attn:
-            return out, self.attention_matrix(x, (gh, gw))
-        return out
+        return self.proj_drop(self.proj(mixed))
 
     def attention_matrix(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """The dense mixing matrix ``(B, H, T, T)`` this mixer applies to ``x`` (built by ``ssogvit.reference``)."""

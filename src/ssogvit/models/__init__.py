@@ -1,9 +1,10 @@
 """The three model families of SPEC section 6 (discrete ViT, looped ViT, continuous ODE-ViT), built by name."""
 
-from ._common import GLOBAL_POOLS, SIZES, Block, CenterNorm, VisionTransformerBase
-from .looped import LoopedViT
-from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, ODEViT
-from .registry import FAMILIES, create_model, list_models, model_options, parse_model_name, timm_name
+from ._common import GLOBAL_POOLS, SIZES, Block, CenterNorm, GridContext, VisionTransformerBase
+from .looped import Loop, LoopedViT
+from .maps import record_attention
+from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
+from .registry import FAMILIES, create_model, from_pretrained, list_models, model_options, parse_model_name, timm_name
 from .transfer import rescale_field, resize_patch_embed, resize_pos_embed
 from .vit import VisionTransformer
 
@@ -13,16 +14,22 @@ __all__ = [
     "FIXED_GRID_SOLVERS",
     "GLOBAL_POOLS",
     "SIZES",
+    "STEPPED_SOLVERS",
     "Block",
     "CenterNorm",
+    "Flow",
+    "GridContext",
+    "Loop",
     "LoopedViT",
     "ODEViT",
     "VisionTransformer",
     "VisionTransformerBase",
     "create_model",
+    "from_pretrained",
     "list_models",
     "model_options",
     "parse_model_name",
+    "record_attention",
     "rescale_field",
     "resize_patch_embed",
     "resize_pos_embed",

@@ -1,24 +1,29 @@
 """Pieces every model family shares (SPEC section 6): patch embedding, class / register tokens, absolute position
 embedding, the pre-norm block, the final norm and the linear head.
 
-The three families differ only in how they apply their blocks (``_forward_tokens``); the mixer inside a block is chosen
-by name from the mixer registry, so an SSoG model and its baseline differ only in that name.
+Every family is timm's ``VisionTransformer`` and differs only in its ``blocks`` (how the block is applied); the mixer
+inside a block is chosen by name from the mixer registry, so an SSoG model and its baseline differ only in that name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
+from timm.models import checkpoint_seq, save_for_hf
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
 from ssogvit.layers import create_mixer
 
 from . import transfer
 
-__all__ = ["GLOBAL_POOLS", "SIZES", "Block", "CenterNorm", "VisionTransformerBase", "layer_norm"]
+__all__ = ["GLOBAL_POOLS", "SIZES", "Block", "CenterNorm", "GridContext", "VisionTransformerBase", "layer_norm"]
 
 #: size name -> (embed_dim, num_heads, depth). Depth is blocks (vit), loop steps T (looped) or steps / NFE (ode).
 SIZES: dict[str, tuple[int, int, int]] = {
@@ -56,20 +61,34 @@ class CenterNorm(nn.Module):
         return (self.dim / (self.dim - 1)) * centred * self.weight + self.bias
 
 
-def _call_mixer(
-    mixer: nn.Module, x: Tensor, grid: tuple[int, int], num_prefix_tokens: int, return_attn: bool
-) -> tuple[Tensor, Tensor | None]:
-    if return_attn:
-        y, attn = mixer(x, grid=grid, num_prefix_tokens=num_prefix_tokens, return_attn=True)
-        return y, attn
-    return mixer(x, grid=grid, num_prefix_tokens=num_prefix_tokens), None
+class GridContext:
+    """The patch grid ``(Gh, Gw)`` of the forward pass in progress, shared by a model and its blocks.
+
+    timm's blocks are called as ``block(x)``; the model writes the grid here when it embeds the images (``_pos_embed``)
+    and every block passes it, with the prefix-token count, explicitly to its mixer.
+    """
+
+    __slots__ = ("grid", "num_prefix_tokens")
+
+    def __init__(self, num_prefix_tokens: int) -> None:
+        self.grid: tuple[int, int] | None = None
+        self.num_prefix_tokens = num_prefix_tokens
+
+
+#: timm's ``VisionTransformer`` passes its attention options to every block; at these values they describe what the
+#: mixers do, any other value is refused by ``Block`` rather than ignored.
+_TIMM_BLOCK_DEFAULTS = dict(
+    qkv_bias=True, qk_norm=False, scale_attn_norm=False, scale_mlp_norm=False, proj_bias=True, init_values=None,
+    proj_drop=0.0, attn_drop=0.0,
+)
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block whose token mixer is any registered mixer.
+    """Pre-norm Transformer block whose token mixer is any registered mixer; timm's ``block_fn``.
 
     Attribute names follow timm's ``Block`` (``norm1``, ``attn``, ``norm2``, ``mlp``), so a timm ViT state dict loads
-    into an MHA model unchanged. Two ways to apply it:
+    into an MHA model unchanged, and like timm's it is called as ``block(x)`` and returns a tensor. The patch grid
+    comes from the ``context`` its model fills in. Two ways to apply it:
 
     - ``forward``: the residual block ``z + Mixer(N1(z))``, then ``+ MLP(N2(.))`` (discrete and looped families);
     - ``vector_field``: the parallel form ``Mixer(N1(z)) + MLP(N2(z))`` (the ODE family's ``f`` before scaling).
@@ -77,33 +96,46 @@ class Block(nn.Module):
     Args:
         dim: token width ``D``.
         num_heads: heads ``H``.
-        mixer: mixer name (``ssogvit.layers.list_mixers()``).
-        mixer_options: keyword options for ``create_mixer``.
         mlp_ratio: MLP hidden width over ``D``.
+        mixer: mixer name (``ssogvit.layers.list_mixers()``).
+        context: the model's ``GridContext``.
+        mixer_options: keyword options for ``create_mixer``.
         drop_path: stochastic-depth rate of both residual branches.
-        norm_layer: builds a norm from ``D``.
-        num_prefix_tokens: class and register tokens in front of the patches; passed to the mixer, so that a grid
-            that does not match the tokens is an error.
+        norm_layer: builds a norm from ``D`` (timm passes its LayerNorm).
+        block_norm: builds ``N1`` and ``N2`` instead of ``norm_layer`` (the ODE family's CenterNorm).
+        act_layer: MLP activation.
+        mlp_layer: MLP class.
+        **timm_options: the rest of what timm's ``VisionTransformer`` passes to a block; accepted at ViT's defaults.
     """
 
     def __init__(
         self,
         dim: int,
         num_heads: int,
+        mlp_ratio: float = 4.0,
         *,
         mixer: str,
+        context: GridContext,
         mixer_options: dict[str, Any] | None = None,
-        mlp_ratio: float = 4.0,
         drop_path: float = 0.0,
         norm_layer: Callable[[int], nn.Module] = layer_norm,
-        num_prefix_tokens: int = 1,
+        block_norm: Callable[[int], nn.Module] | None = None,
+        act_layer: Callable[[], nn.Module] = nn.GELU,
+        mlp_layer: Callable[..., nn.Module] = Mlp,
+        **timm_options: Any,
     ) -> None:
         super().__init__()
-        self.num_prefix_tokens = num_prefix_tokens
-        self.norm1 = norm_layer(dim)
+        for key in ("attn_layer", "depth", "device", "dtype"):  # timm's own attention class, its index, placement
+            timm_options.pop(key, None)
+        changed = {k: v for k, v in timm_options.items() if _TIMM_BLOCK_DEFAULTS.get(k, object()) != v}
+        if changed:
+            raise ValueError(f"ssogvit blocks do not support the timm block option(s) {changed}")
+        norm = block_norm or norm_layer
+        self.context = context
+        self.norm1 = norm(dim)
         self.attn = create_mixer(mixer, dim, num_heads, **(mixer_options or {}))
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.norm2 = norm(dim)
+        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -112,19 +144,23 @@ class Block(nn.Module):
         """The token mixer (stored as ``attn``, timm's name)."""
         return self.attn
 
-    def forward(self, z: Tensor, grid: tuple[int, int], *, return_attn: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Residual block; returns ``(z, attn)`` with ``attn`` ``None`` unless ``return_attn``."""
-        y, attn = _call_mixer(self.attn, self.norm1(z), grid, self.num_prefix_tokens, return_attn)
-        z = z + self.drop_path1(y)
-        z = z + self.drop_path2(self.mlp(self.norm2(z)))
-        return z, attn
+    def mix(self, x: Tensor) -> Tensor:
+        """The mixer on ``x (B, P + Gh*Gw, D)`` with the grid and prefix count of the forward pass in progress."""
+        grid = self.context.grid
+        if grid is None:
+            raise ValueError("no patch grid: blocks run inside their model's forward, which sets it")
+        return self.attn(x, grid=grid, num_prefix_tokens=self.context.num_prefix_tokens)
 
-    def vector_field(
-        self, z: Tensor, grid: tuple[int, int], *, return_attn: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """Parallel form ``Mixer(N1(z)) + MLP(N2(z))``; returns ``(f, attn)``."""
-        y, attn = _call_mixer(self.attn, self.norm1(z), grid, self.num_prefix_tokens, return_attn)
-        return y + self.mlp(self.norm2(z)), attn
+    def forward(self, z: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Residual block ``(B, T, D) -> (B, T, D)``; timm's call (no mask: mixing is over the whole image)."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("ssogvit blocks take no attention mask or causal flag")
+        z = z + self.drop_path1(self.mix(self.norm1(z)))
+        return z + self.drop_path2(self.mlp(self.norm2(z)))
+
+    def vector_field(self, z: Tensor) -> Tensor:
+        """Parallel form ``Mixer(N1(z)) + MLP(N2(z))``."""
+        return self.mix(self.norm1(z)) + self.mlp(self.norm2(z))
 
 
 def _init_linear(module: nn.Module) -> None:
@@ -142,16 +178,20 @@ def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return (int(h), int(w))
 
 
-class VisionTransformerBase(nn.Module):
-    """Embedding, tokens, final norm and head shared by the three families.
+class VisionTransformerBase(TimmVisionTransformer):
+    """timm's ``VisionTransformer`` with a registered mixer in every block; the base of the three families.
 
-    Subclasses build ``self.blocks`` and implement ``_forward_tokens(z, grid, attns)``, which evolves the token sequence
-    (appending one attention matrix per mixer application to ``attns`` when it is a list).
+    Everything of timm's ViT API is timm's own (``forward_features``, ``forward_head(x, pre_logits)``, ``pool``,
+    ``reset_classifier``, ``set_grad_checkpointing``, ``forward_intermediates``, ``prune_intermediate_layers``,
+    ``group_matcher``, features_only through ``timm.create_model``). The families differ only in ``self.blocks``:
+    ``L`` blocks (vit), one block looped ``T`` times (looped), one block as an ODE field (ode); each presents itself as
+    a sequence of ``depth`` block applications, which is what timm's intermediates and checkpointing walk over.
 
     Token order: ``[class, registers..., patches (row-major)]``. The position embedding covers the class token and the
-    patches (timm's layout); register tokens carry no position. At an image size other than ``img_size`` the patch
-    part of the position embedding is resized bicubically on the fly (the parameter itself is unchanged). The class
-    token is there whatever ``global_pool`` says; only the head's input changes.
+    patches (timm's layout without registers); register tokens carry no position. Any image size divisible by the
+    patch size runs: the patch part of the position embedding is resized bicubically on the fly (the parameter itself
+    is unchanged). The class token is there whatever ``global_pool`` says; only the head's input changes. The final
+    norm comes before pooling (``fc_norm=False``) for both pools.
     """
 
     family: str = ""
@@ -170,10 +210,13 @@ class VisionTransformerBase(nn.Module):
         num_classes: int,
         num_registers: int,
         global_pool: str,
+        drop_path_rate: float,
+        mlp_ratio: float,
         name: str | None,
         config: dict[str, Any],
+        num_blocks: int | None = None,
+        block_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
-        super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if depth < 1:
@@ -187,54 +230,63 @@ class VisionTransformerBase(nn.Module):
         img_size = _pair(img_size)
         if patch_size < 1 or img_size[0] < patch_size or img_size[1] < patch_size:
             raise ValueError(f"patch_size {patch_size} does not fit img_size {img_size}")
-        self.embed_dim = embed_dim
+        if name is None:  # built directly: name a registered size; config's explicit widths override it
+            size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
+            name = f"{self.family}-{size}-{mixer}"
+        context = GridContext(1 + num_registers)
+        block_fn = partial(Block, mixer=mixer, mixer_options=dict(mixer_options or {}), context=context,
+                           block_norm=block_norm)
+        try:
+            super().__init__(
+                img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+                global_pool=global_pool, embed_dim=embed_dim, depth=num_blocks or depth, num_heads=num_heads,
+                mlp_ratio=mlp_ratio, reg_tokens=num_registers, fc_norm=False, dynamic_img_size=True,
+                drop_path_rate=drop_path_rate, weight_init="skip", block_fn=block_fn,
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: cannot build mixer {mixer!r} with options {mixer_options}: {err}") from err
+        self.grid_context = context
         self.num_heads = num_heads
         self.depth = depth
         self.mixer_name = mixer
         self.mixer_options = dict(mixer_options or {})
         self.img_size = img_size
         self.patch_size = patch_size
-        self.in_chans = in_chans
-        self.num_classes = num_classes
         self.num_registers = num_registers
-        self.num_prefix_tokens = 1 + num_registers
-        self.global_pool = global_pool
-        if name is None:  # built directly: name a registered size; config's explicit widths override it
-            size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
-            name = f"{self.family}-{size}-{mixer}"
         self.config = {"name": name, **config}
-
-        self.patch_embed = PatchEmbed(
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, strict_img_size=False
+        # timm's layout gives registers a position too; ours covers the class token and the patches only
+        self.pos_embed = nn.Parameter(torch.empty(1, 1 + self.patch_embed.num_patches, embed_dim))
+        mean, std = (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD) if in_chans == 3 else ((0.5,) * in_chans,) * 2
+        self.pretrained_cfg = self.default_cfg = dict(  # timm's description of the model's input and head
+            architecture="ssogvit_" + name.replace("-", "_"), input_size=(in_chans, *img_size), mean=mean, std=std,
+            num_classes=num_classes, first_conv="patch_embed.proj", classifier="head", fixed_input_size=False,
+            interpolation="bicubic", crop_pct=1.0, license="apache-2.0",
         )
-        num_patches = self.patch_embed.num_patches
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.reg_token = nn.Parameter(torch.zeros(1, num_registers, embed_dim)) if num_registers else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, embed_dim))
-        self.norm = layer_norm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
-    def _init_weights(self) -> None:
-        """timm's ViT init for tokens, position embedding, MLPs and head; mixers keep their own init."""
+    def _set_steps(self, blocks: nn.Module) -> None:
+        """Install the family's block sequence; timm's feature_info lists one entry per block application."""
+        self.blocks = blocks
+        self.feature_info = [
+            dict(module=f"blocks.{i}", num_chs=self.embed_dim, reduction=self.patch_size) for i in range(self.depth)
+        ]
+
+    def init_weights(self, mode: str = "", needs_reset: bool = True) -> None:
+        """timm's ViT init for tokens, position embedding, MLPs and head; mixers keep their own initialisation.
+
+        Args:
+            mode: only ``""``: the SSoG mixers' initialisation is part of the method (cold-started steering).
+            needs_reset: unused (timm's signature).
+        """
+        if mode:
+            raise ValueError(f"ssogvit models have one initialisation; got mode={mode!r}")
         trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
         if self.reg_token is not None:
             nn.init.normal_(self.reg_token, std=1e-6)
-        for block in self.blocks:
-            block.mlp.apply(_init_linear)
+        for block in self.modules():
+            if isinstance(block, Block):
+                block.mlp.apply(_init_linear)
         self.head.apply(_init_linear)
-
-    def _make_block(self, **kwargs: Any) -> Block:
-        try:
-            return Block(
-                self.embed_dim, self.num_heads, mixer=self.mixer_name, mixer_options=self.mixer_options,
-                num_prefix_tokens=self.num_prefix_tokens, **kwargs
-            )
-        except (TypeError, ValueError) as err:
-            raise ValueError(
-                f"{self.config['name']}: cannot build mixer {self.mixer_name!r} with options {self.mixer_options}: "
-                f"{err}"
-            ) from err
 
     # -- shape bookkeeping -----------------------------------------------------------------------------------------
 
@@ -245,12 +297,9 @@ class VisionTransformerBase(nn.Module):
 
     def mixers(self) -> list[nn.Module]:
         """Unique mixer modules, in order of application."""
-        out: list[nn.Module] = []
-        for block in self.blocks:
-            if not any(block.attn is m for m in out):
-                out.append(block.attn)
-        return out
+        return [m.attn for m in self.modules() if isinstance(m, Block)]
 
+    @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Full names of parameters excluded from weight decay: tokens, position embedding, norms, biases (every
         parameter with at most one dimension, steering gates included) and the SSoG field ``mu, rho, ell, theta``."""
@@ -262,58 +311,86 @@ class VisionTransformerBase(nn.Module):
             if p.ndim <= 1 or name in skip or name.rsplit(".", 1)[-1] in field
         }
 
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's: keep the block applications up to the last of ``indices``; ``depth`` and the config follow."""
+        take = super().prune_intermediate_layers(indices, prune_norm=prune_norm, prune_head=prune_head)
+        self._set_depth(len(self.blocks))
+        return take
+
+    def _set_depth(self, depth: int) -> None:
+        self.depth = self.config["depth"] = depth
+        self.feature_info = self.feature_info[:depth]
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """timm's: a new head for ``num_classes`` (0: none), optionally another pool (``"token"``, ``"avg"``, or
+        ``""`` for none); the config follows, so ``create_model(**config)`` rebuilds the model."""
+        if global_pool is not None and global_pool not in (*GLOBAL_POOLS, ""):
+            raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS} or ''")
+        super().reset_classifier(num_classes, global_pool)
+        self.config["num_classes"] = num_classes
+        if global_pool:
+            self.config["global_pool"] = global_pool
+
+    def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the model in the Hugging Face hub layout (timm's ``save_for_hf``): ``config.json`` (architecture,
+        ``model_args`` = this model's config, pretrained config) and ``model.safetensors``.
+
+        Load it back with ``ssogvit.models.from_pretrained(save_directory)`` or
+        ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)``.
+
+        Raises:
+            FileExistsError: the folder already holds a saved model and ``overwrite`` is not set.
+        """
+        folder = Path(save_directory)
+        existing = [f for f in ("config.json", "model.safetensors") if (folder / f).exists()]
+        if existing and not overwrite:
+            raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
+        model_args = {k: v for k, v in self.config.items() if k != "name"}
+        save_for_hf(self, str(folder), model_args=model_args, safe_serialization=True)
+        return folder
+
     # -- forward ---------------------------------------------------------------------------------------------------
 
-    def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:
-        if grid == self.grid_size:
-            return self.pos_embed
-        return resample_abs_pos_embed(
-            self.pos_embed, new_size=list(grid), old_size=list(self.grid_size), num_prefix_tokens=1
-        )
+    def _pos_embed(self, x: Tensor) -> Tensor:
+        """Patch grid ``(B, Gh, Gw, D)`` -> tokens ``(B, P + Gh*Gw, D)`` with position; records the grid for the
+        blocks (timm calls this in every forward)."""
+        b, gh, gw, d = x.shape
+        grid = (gh, gw)
+        self.grid_context.grid = grid
+        pos = self.pos_embed
+        if grid != self.grid_size:
+            pos = resample_abs_pos_embed(pos, new_size=list(grid), old_size=list(self.grid_size), num_prefix_tokens=1)
+        parts = [self.cls_token.expand(b, -1, -1) + pos[:, :1]]
+        if self.reg_token is not None:
+            parts.append(self.reg_token.expand(b, -1, -1))
+        parts.append(x.reshape(b, gh * gw, d) + pos[:, 1:])
+        return self.pos_drop(torch.cat(parts, dim=1))  # (B, P + N, D)
 
     def embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and the grid ``(Gh, Gw)``."""
         if x.ndim != 4:
             raise ValueError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}")
-        b, _, h, w = x.shape
+        h, w = x.shape[-2:]
         p = self.patch_size
         if h % p or w % p:
             raise ValueError(f"image size {h}x{w} is not divisible by the patch size {p}")
-        grid = (h // p, w // p)
-        pos = self._pos_embed_for(grid)
-        patches = self.patch_embed(x) + pos[:, 1:]  # (B, N, D)
-        parts = [self.cls_token.expand(b, -1, -1) + pos[:, :1]]
-        if self.reg_token is not None:
-            parts.append(self.reg_token.expand(b, -1, -1))
-        parts.append(patches)
-        return torch.cat(parts, dim=1), grid  # (B, P + N, D)
-
-    def _forward_tokens(self, z: Tensor, grid: tuple[int, int], attns: list[Tensor] | None) -> Tensor:
-        raise NotImplementedError
+        z = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        return z, self.grid_context.grid
 
     def forward_features(
-        self, x: Tensor, *, return_attn: bool = False, pre_norm: bool = False
-    ) -> Tensor | tuple[Tensor, list[Tensor]]:
-        """Images -> tokens ``(B, P + N, D)``, after the final norm unless ``pre_norm``.
-
-        With ``return_attn`` also returns a list with one ``(B, H, T, T)`` mixing matrix per mixer application.
-        """
-        z, grid = self.embed(x)
-        attns: list[Tensor] | None = [] if return_attn else None
-        z = self._forward_tokens(z, grid, attns)
-        if not pre_norm:
-            z = self.norm(z)
-        return (z, attns) if return_attn else z
-
-    def forward_head(self, tokens: Tensor) -> Tensor:
-        """Normalised tokens -> logits: from the class token (``global_pool="token"``) or from the mean of the patch
-        tokens, class and register tokens excluded (``"avg"``, timm's convention)."""
-        if self.global_pool == "avg":
-            return self.head(tokens[:, self.num_prefix_tokens :].mean(dim=1))
-        return self.head(tokens[:, 0])
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
+        self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False, *, pre_norm: bool = False
+    ) -> Tensor:
+        """timm's: images -> tokens ``(B, P + N, D)``, after the final norm unless ``pre_norm``."""
+        if attn_mask is not None or is_causal:
+            raise ValueError("ssogvit models take no attention mask or causal flag")
+        z, _ = self.embed(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            z = checkpoint_seq(self.blocks, z)
+        else:
+            z = self.blocks(z)
+        return z if pre_norm else self.norm(z)
 
     # -- transfer --------------------------------------------------------------------------------------------------
 
@@ -343,6 +420,24 @@ class VisionTransformerBase(nn.Module):
                 self.mixer_options["radius"] = self.config["radius"] = self.mixers()[0].radius
         self.patch_size = patch_size
         self.config["patch_size"] = patch_size
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None) -> None:
+        """timm's: make ``img_size`` (and ``patch_size``, see ``set_patch_size``) the model's own, resizing the
+        position embedding of the class token and the patches (registers carry none) bicubically."""
+        if patch_size is not None:
+            if not isinstance(patch_size, int):
+                raise ValueError(f"ssogvit models have square patches: give patch_size as an int, got {patch_size!r}")
+            self.set_patch_size(patch_size)
+        if img_size is None:
+            return
+        old_grid = self.grid_size
+        self.patch_embed.set_input_size(img_size=_pair(img_size))
+        with torch.no_grad():
+            pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, self.grid_size, num_prefix_tokens=1)
+        self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
+        self.img_size = _pair(img_size)
+        self.config["img_size"] = self.img_size
+        self.pretrained_cfg = {**self.pretrained_cfg, "input_size": (self.in_chans, *self.img_size)}
 
     def extra_repr(self) -> str:
         return (

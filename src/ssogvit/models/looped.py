@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from timm.layers import DropPath
 from torch import Tensor, nn
 
 from ._common import VisionTransformerBase
 
-__all__ = ["LoopedViT"]
+__all__ = ["Loop", "LoopedViT"]
 
 
 class LoopedViT(VisionTransformerBase):
     """Looped ViT: the discrete ViT's block, one set of weights, applied ``depth = T`` times.
 
-    The parameter count is one block plus embeddings, final norm and head, whatever ``T``.
+    The parameter count is one block plus embeddings, final norm and head, whatever ``T``. ``blocks`` is a ``Loop``:
+    to timm's API the ``T`` iterations are the model's ``T`` blocks (an intermediate is the tokens after an iteration).
 
     Args:
         embed_dim: token width ``D``.
@@ -62,15 +65,53 @@ class LoopedViT(VisionTransformerBase):
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, global_pool=global_pool, name=name, config=config,
+            num_registers=num_registers, global_pool=global_pool, drop_path_rate=0.0, mlp_ratio=mlp_ratio,
+            name=name, config=config, num_blocks=1,
         )
-        self.blocks = nn.ModuleList([self._make_block(mlp_ratio=mlp_ratio, drop_path=drop_path_rate)])
-        self._init_weights()
-
-    def _forward_tokens(self, z: Tensor, grid: tuple[int, int], attns: list[Tensor] | None) -> Tensor:
         block = self.blocks[0]
-        for _ in range(self.depth):
-            z, attn = block(z, grid, return_attn=attns is not None)
-            if attns is not None:
-                attns.append(attn)
+        if drop_path_rate > 0:  # the same rate at every step
+            block.drop_path1, block.drop_path2 = DropPath(drop_path_rate), DropPath(drop_path_rate)
+        self._set_steps(Loop(block, depth))
+        self.init_weights()
+
+
+class Loop(nn.Module):
+    """One block applied ``steps`` times, seen by timm as a sequence of ``steps`` blocks.
+
+    ``loop[i]`` is the block (its ``i``-th application), ``loop[:k]`` the first ``k`` steps, iteration yields the block
+    ``steps`` times: so timm's ``forward_intermediates`` returns one intermediate per iteration, its
+    ``prune_intermediate_layers`` keeps the first iterations and ``checkpoint_seq`` checkpoints each iteration. The
+    block is stored once (state-dict keys ``blocks.0.*``).
+    """
+
+    def __init__(self, block: nn.Module, steps: int) -> None:
+        super().__init__()
+        if steps < 1:
+            raise ValueError(f"a loop needs at least one step, got {steps}")
+        self.add_module("0", block)
+        self.steps = steps
+
+    @property
+    def block(self) -> nn.Module:
+        return self._modules["0"]
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter([self.block] * self.steps)
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        if isinstance(index, slice):
+            return Loop(self.block, len(range(*index.indices(self.steps))))
+        if not -self.steps <= index < self.steps:
+            raise IndexError(f"step {index} out of range for a loop of {self.steps} steps")
+        return self.block
+
+    def forward(self, z: Tensor) -> Tensor:
+        for _ in range(self.steps):
+            z = self.block(z)
         return z
+
+    def extra_repr(self) -> str:
+        return f"steps={self.steps}"

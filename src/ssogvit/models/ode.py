@@ -7,15 +7,17 @@ is exactly a stack of ``NFE`` residual steps ``z <- z + Mixer(N1(z)) + MLP(N2(z)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
+from torchdiffeq._impl.odeint import SOLVERS  # the solver classes, for their own step functions (see Flow)
 
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 
-__all__ = ["ODEViT", "FIXED_GRID_SOLVERS", "ADAPTIVE_SOLVERS", "NORMS"]
+__all__ = ["ODEViT", "Flow", "FIXED_GRID_SOLVERS", "ADAPTIVE_SOLVERS", "NORMS", "STEPPED_SOLVERS"]
 
 #: torchdiffeq solvers that step on the given uniform grid (``depth`` steps).
 FIXED_GRID_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4", "explicit_adams", "implicit_adams")
@@ -25,23 +27,110 @@ ADAPTIVE_SOLVERS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 NORMS = {"layernorm": layer_norm, "centernorm": CenterNorm}
 
 
+#: fixed-grid solvers whose steps are self-contained: the model takes them one grid interval at a time with
+#: torchdiffeq's own step functions, so each step is one block application to timm (intermediates, checkpointing) and
+#: the forward has no data-dependent control flow (torch.export, ONNX). The others go through ``odeint`` whole.
+STEPPED_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4")
+
+
 class _Field(nn.Module):
     """``f(t, z)`` for torchdiffeq: the block's parallel form, scaled; counts its evaluations."""
 
-    def __init__(self, block: Block, grid: tuple[int, int], scale: float, attns: list[Tensor] | None) -> None:
+    def __init__(self, block: Block, scale: float) -> None:
         super().__init__()
         self.block = block
-        self.grid = grid
         self.scale = scale
-        self.attns = attns
         self.calls = 0
 
-    def forward(self, t: Tensor, z: Tensor) -> Tensor:
+    def forward(self, t: Tensor, z: Tensor, perturb: Any = None) -> Tensor:
+        # autonomous: t unused; ``perturb`` is what torchdiffeq's step functions pass (no discontinuities here)
         self.calls += 1
-        f, attn = self.block.vector_field(z, self.grid, return_attn=self.attns is not None)
-        if self.attns is not None:
-            self.attns.append(attn)
-        return self.scale * f
+        return self.scale * self.block.vector_field(z)
+
+
+class Flow(nn.Module):
+    """One block's field integrated over ``[t_start, t_stop]`` of a uniform grid of ``total`` steps on ``[0, 1]``.
+
+    To timm the flow is a sequence of its grid steps: ``flow[i]`` integrates step ``i`` alone, ``flow[:k]`` the first
+    ``k`` steps, so an intermediate of ``forward_intermediates`` is the state at a grid time ``t_k = k / depth``. That
+    holds for the ``STEPPED_SOLVERS`` without adjoint, whose full solve is exactly the composition of its steps; for
+    the others a step cannot be taken alone, and indexing or iterating the flow is a ``ValueError``. The block is
+    stored once (state-dict keys ``blocks.0.*``).
+    """
+
+    def __init__(
+        self, block: Block, *, total: int, solver: str, scale: float, rtol: float, atol: float, adjoint: bool,
+        start: int = 0, stop: int | None = None, counter: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.add_module("0", block)
+        self.total, self.solver, self.scale = total, solver, scale
+        self.rtol, self.atol, self.adjoint = rtol, atol, adjoint
+        self.start, self.stop = start, total if stop is None else stop
+        self.counter = [0] if counter is None else counter
+
+    @property
+    def block(self) -> Block:
+        return self._modules["0"]
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the solve runs as separate grid steps (see the class docstring)."""
+        return self.solver in STEPPED_SOLVERS and not self.adjoint
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _view(self, start: int, stop: int) -> Flow:
+        if not self.stepped:
+            why = "the adjoint method solves the whole interval" if self.adjoint else "its steps are not self-contained"
+            raise ValueError(
+                f"the ODE solve with solver {self.solver!r} cannot be split into grid steps ({why}); intermediates, "
+                f"pruning and gradient checkpointing need one of {STEPPED_SOLVERS} without adjoint"
+            )
+        return Flow(
+            self.block, total=self.total, solver=self.solver, scale=self.scale, rtol=self.rtol, atol=self.atol,
+            adjoint=self.adjoint, start=start, stop=stop, counter=self.counter,
+        )
+
+    def __getitem__(self, index: int | slice) -> Flow:
+        steps = range(self.start, self.stop)[index]  # IndexError out of range
+        if isinstance(steps, int):
+            return self._view(steps, steps + 1)
+        if steps.step != 1:
+            raise ValueError(f"ODE steps are contiguous; got the slice {index}")
+        return self._view(steps.start, steps.stop)
+
+    def __iter__(self) -> Iterator[Flow]:
+        return iter([self[i] for i in range(len(self))])
+
+    def time_grid(self, like: Tensor) -> Tensor:
+        """The uniform grid ``t_k = k / total`` (float64 for float64 tokens, else float32)."""
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.linspace(0.0, 1.0, self.total + 1, dtype=dtype, device=like.device)
+
+    def forward(self, z: Tensor) -> Tensor:
+        field = _Field(self.block, self.scale)
+        t = self.time_grid(z)
+        if self.stepped:
+            solver = SOLVERS[self.solver](func=field, y0=z, rtol=self.rtol, atol=self.atol)
+            for k in range(self.start, self.stop):
+                dz, _ = solver._step_func(field, t[k], t[k + 1] - t[k], t[k + 1], z)
+                z = z + dz
+        else:
+            if self.solver in ADAPTIVE_SOLVERS:
+                t = t[[0, -1]]  # the solver chooses its own steps
+            kwargs = dict(rtol=self.rtol, atol=self.atol, method=self.solver)
+            if self.adjoint:
+                z = odeint_adjoint(field, z, t, adjoint_params=tuple(field.parameters()), **kwargs)[-1]
+            else:
+                z = odeint(field, z, t, **kwargs)[-1]
+        # evaluations of the forward solve (a later adjoint backward does not count)
+        self.counter[0] = field.calls if self.start == 0 else self.counter[0] + field.calls
+        return z
+
+    def extra_repr(self) -> str:
+        return f"steps={self.start}..{self.stop} of {self.total}, solver={self.solver}, scale={self.scale}"
 
 
 class ODEViT(VisionTransformerBase):
@@ -71,7 +160,9 @@ class ODEViT(VisionTransformerBase):
         adjoint: backpropagate with the adjoint method (``odeint_adjoint``), constant memory in the number of steps.
         name: registry name recorded in ``config``.
 
-    After each forward, ``nfe`` holds the number of evaluations of ``f`` that the forward solve made.
+    After each forward, ``nfe`` holds the number of evaluations of ``f`` that the forward solve made. ``blocks`` is a
+    ``Flow``: to timm's API the ``depth`` grid steps are the model's blocks (an intermediate is the state at
+    ``t_k = k / depth``), for the ``STEPPED_SOLVERS`` without adjoint.
     """
 
     family = "ode"
@@ -119,7 +210,8 @@ class ODEViT(VisionTransformerBase):
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, global_pool=global_pool, name=name, config=config,
+            num_registers=num_registers, global_pool=global_pool, drop_path_rate=0.0, mlp_ratio=mlp_ratio,
+            name=name, config=config, num_blocks=1, block_norm=NORMS[norm_key],
         )
         self.solver = solver
         self.scale = float(depth if scale is None else scale)
@@ -127,26 +219,29 @@ class ODEViT(VisionTransformerBase):
         self.rtol = rtol
         self.atol = atol
         self.adjoint = adjoint
-        self.nfe = 0
-        self.blocks = nn.ModuleList([self._make_block(mlp_ratio=mlp_ratio, norm_layer=NORMS[norm_key])])
-        self._init_weights()
+        self._set_steps(
+            Flow(self.blocks[0], total=depth, solver=solver, scale=self.scale, rtol=rtol, atol=atol, adjoint=adjoint)
+        )
+        self.init_weights()
+
+    def _set_depth(self, depth: int) -> None:
+        # The first ``depth`` of ``total`` steps integrate to t = depth / total: the same flow as ``depth`` steps on
+        # [0, 1] with the scale multiplied by depth / total (so ``create_model(**config)`` rebuilds the pruned model).
+        self.scale = self.config["scale"] = self.scale * depth / self.blocks.total
+        self.blocks = Flow(
+            self.blocks.block, total=depth, solver=self.solver, scale=self.scale, rtol=self.rtol, atol=self.atol,
+            adjoint=self.adjoint,
+        )
+        super()._set_depth(depth)
+
+    @property
+    def nfe(self) -> int:
+        """Evaluations of ``f`` in the latest forward solve."""
+        return self.blocks.counter[0]
 
     def time_grid(self, like: Tensor) -> Tensor:
-        """Output times for the solver: ``depth + 1`` uniform points on ``[0, 1]``, or ``[0, 1]`` if adaptive."""
-        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-        points = 2 if self.solver in ADAPTIVE_SOLVERS else self.depth + 1
-        return torch.linspace(0.0, 1.0, points, dtype=dtype, device=like.device)
-
-    def _forward_tokens(self, z: Tensor, grid: tuple[int, int], attns: list[Tensor] | None) -> Tensor:
-        field = _Field(self.blocks[0], grid, self.scale, attns)
-        t = self.time_grid(z)
-        kwargs = dict(rtol=self.rtol, atol=self.atol, method=self.solver)
-        if self.adjoint:
-            path = odeint_adjoint(field, z, t, adjoint_params=tuple(field.parameters()), **kwargs)
-        else:
-            path = odeint(field, z, t, **kwargs)
-        self.nfe = field.calls
-        return path[-1]
+        """The uniform time grid: ``depth + 1`` points on ``[0, 1]`` (adaptive solvers use only its ends)."""
+        return self.blocks.time_grid(like)
 
     def extra_repr(self) -> str:
         return (

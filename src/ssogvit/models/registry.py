@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import json
 import sys
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
-from timm.models import register_model
+import timm
+from safetensors import safe_open
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from torch import nn
 
 from ssogvit.layers import list_mixers, mixer_options
@@ -22,7 +29,10 @@ from .looped import LoopedViT
 from .ode import ODEViT
 from .vit import VisionTransformer
 
-__all__ = ["FAMILIES", "SIZES", "create_model", "list_models", "parse_model_name", "model_options", "timm_name"]
+__all__ = [
+    "FAMILIES", "SIZES", "create_model", "from_pretrained", "list_models", "model_options", "parse_model_name",
+    "timm_name",
+]
 
 #: family name -> model class
 FAMILIES: dict[str, type[VisionTransformerBase]] = {"vit": VisionTransformer, "looped": LoopedViT, "ode": ODEViT}
@@ -103,18 +113,70 @@ def timm_name(name: str) -> str:
     return "ssogvit_" + name.replace("-", "_")
 
 
-def _timm_entrypoint(name: str):
-    def entrypoint(
-        pretrained: bool = False, pretrained_cfg: Any = None, pretrained_cfg_overlay: Any = None,
-        cache_dir: Any = None, **kwargs: Any,
-    ) -> nn.Module:
-        if pretrained:
-            raise ValueError(f"{name}: ssogvit has no pretrained weights to download; load a checkpoint instead")
-        return create_model(name, **kwargs)
+def from_pretrained(save_directory: str | Path, **kwargs: Any) -> VisionTransformerBase:
+    """Load a model written by ``model.save_pretrained(save_directory)`` (Hugging Face hub layout, local folder).
 
-    entrypoint.__name__ = entrypoint.__qualname__ = timm_name(name)
+    The same as ``timm.create_model(f"local-dir:{save_directory}", pretrained=True, **kwargs)``: ``config.json`` names
+    the architecture and its arguments, ``model.safetensors`` holds the weights.
+    """
+    folder = Path(save_directory)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{folder} is not a saved model folder: expected config.json and model.safetensors")
+    return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs)
+
+
+def _saved_config(file: str) -> dict[str, Any] | None:
+    """The model config in the header of an ``ssogvit`` safetensors export, if the file is one."""
+    if not str(file).endswith(".safetensors"):
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta["model_config"]) if "model_config" in meta else None
+
+
+def _timm_entrypoint(name: str):
+    tname = timm_name(name)
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if pretrained:
+            cfg = resolve_pretrained_cfg(
+                tname, pretrained_cfg=kwargs.pop("pretrained_cfg", None),
+                pretrained_cfg_overlay=kwargs.pop("pretrained_cfg_overlay", None),
+            )
+            if not (cfg.file or cfg.url or cfg.hf_hub_id or cfg.state_dict):
+                raise ValueError(
+                    f"{tname}: ssogvit has no pretrained weights to download; load your own with "
+                    "pretrained_cfg_overlay=dict(file='.../model.safetensors')"
+                )
+            saved = _saved_config(cfg.file) if cfg.file else None
+            if saved is not None:  # an ssogvit export: the weights say how the model was built
+                if saved.get("name") != name:
+                    raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
+                for key, value in saved.items():
+                    if key != "name":
+                        kwargs.setdefault(key, value)
+                img = saved.get("img_size", 224)
+                img = (img, img) if isinstance(img, int) else tuple(img)
+                cfg = replace(cfg, num_classes=saved["num_classes"], input_size=(saved.get("in_chans", 3), *img))
+            kwargs["pretrained_cfg"] = cfg
+        return build_model_with_cfg(
+            partial(create_model, name), tname, pretrained, feature_cfg=dict(feature_cls="getter"), **kwargs
+        )
+
+    entrypoint.__name__ = entrypoint.__qualname__ = tname
     entrypoint.__doc__ = f"``{name}`` from ssogvit (``ssogvit.create_model({name!r}, **kwargs)``)."
     return entrypoint
+
+
+#: timm's default pretrained configs of the registered names (no weights: ``file`` / ``url`` come as an overlay)
+default_cfgs = generate_default_cfgs({
+    timm_name(n): dict(
+        input_size=(3, 224, 224), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=1000,
+        first_conv="patch_embed.proj", classifier="head", fixed_input_size=False, interpolation="bicubic",
+        crop_pct=1.0, license="apache-2.0",
+    )
+    for n in list_models()
+})
 
 
 def _register_with_timm() -> None:

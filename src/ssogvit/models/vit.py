@@ -1,4 +1,4 @@
-"""Discrete ViT (SPEC section 6): ``L`` pre-norm blocks with independent weights.
+"""Discrete ViT (SPEC section 6): ``L`` pre-norm blocks with independent weights; timm's ViT with another mixer.
 
 With the ``"mha"`` mixer this is timm's ViT (``vit_small_patch16_224``, ``vit_base_patch16_224``, ...): same modules,
 same parameter names and counts, so a timm state dict loads unchanged.
@@ -7,8 +7,6 @@ same parameter names and counts, so a timm state dict loads unchanged.
 from __future__ import annotations
 
 from typing import Any
-
-from torch import Tensor, nn
 
 from ._common import VisionTransformerBase
 
@@ -64,15 +62,8 @@ class VisionTransformer(VisionTransformerBase):
         super().__init__(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, global_pool=global_pool, name=name, config=config,
+            num_registers=num_registers, global_pool=global_pool, drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio,
+            name=name, config=config,
         )
-        rates = [drop_path_rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]  # timm's linspace
-        self.blocks = nn.ModuleList(self._make_block(mlp_ratio=mlp_ratio, drop_path=rate) for rate in rates)
-        self._init_weights()
-
-    def _forward_tokens(self, z: Tensor, grid: tuple[int, int], attns: list[Tensor] | None) -> Tensor:
-        for block in self.blocks:
-            z, attn = block(z, grid, return_attn=attns is not None)
-            if attns is not None:
-                attns.append(attn)
-        return z
+        self._set_steps(self.blocks)  # timm's nn.Sequential of depth blocks
+        self.init_weights()

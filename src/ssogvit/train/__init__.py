@@ -2,13 +2,13 @@
 
 from .errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
 from .io import export_safetensors, load_model, read_model_config, read_state_dict
-from .losses import jasmin_penalty, jasmin_row_norm, topk_correct
+from .losses import jasmin_penalty, softmax_jacobian_estimate, topk_correct
 from .module import ClassificationModule, build_model, count_parameters
 
 __all__ = [
     "CheckpointError", "ConfigError", "NonFiniteError", "RunFolderError", "TrainError", "ClassificationModule",
-    "build_model", "count_parameters", "export_safetensors",
-    "jasmin_penalty", "jasmin_row_norm", "load_model", "read_model_config", "read_state_dict", "topk_correct",
+    "build_model", "count_parameters", "export_safetensors", "jasmin_penalty", "load_model", "read_model_config",
+    "read_state_dict", "softmax_jacobian_estimate", "topk_correct",
     "compose", "train",
 ]
 

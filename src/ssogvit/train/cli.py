@@ -91,9 +91,11 @@ def _train(cfg, *, fresh_output: bool = False) -> int:
     from pathlib import Path
 
     from .components import check_components
+    from .config import check_complete
     from .run import train
     from .run_folder import fresh_folder
 
+    check_complete(cfg)  # a paper detail the text lacks must be given (IncompleteExperimentError)
     check_components(cfg)  # a logger's missing package is refused before anything is written
     if fresh_output:
         out = fresh_folder(Path(str(cfg.output_dir)).expanduser())
@@ -312,12 +314,16 @@ def _parse_value(text: str) -> Any:
 
 
 def list_main(argv: list[str]) -> int:
-    """`ssogvit list [models|mixers|experiments|datasets]`"""
+    """`ssogvit list [models|mixers|experiments|datasets] [--table N]`"""
     parser = ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
     parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
+    parser.add_argument("--table", type=int, default=None,
+                        help="list the experiments of this paper table, each with its row and the paper's Acc@1")
     args = parser.parse_args(argv)
     from .config import experiment_meta, list_experiments
 
+    if args.table is not None:
+        return _list_table(args.table)
     if args.what in ("all", "experiments"):
         print("experiments (ssogvit train experiment=<name>):")
         for name in list_experiments():
@@ -339,4 +345,21 @@ def list_main(argv: list[str]) -> int:
         print(f"models ({len(names)}, name = family-size-mixer):")
         for i in range(0, len(names), 4):
             print("  " + "  ".join(f"{n:<26}" for n in names[i:i + 4]))
+    return 0
+
+
+def _list_table(table: int) -> int:
+    """`ssogvit list experiments --table N`: each run of paper table N, its row and the paper's Acc@1."""
+    from .config import experiment_rows
+
+    rows = experiment_rows(table)
+    if not rows:
+        tables = sorted({r["table"] for r in experiment_rows()})
+        print(f"ssogvit list: no experiment reproduces Table {table}; tables with runs: "
+              f"{', '.join(map(str, tables))}", file=sys.stderr)
+        return 2
+    print(f"Table {table} (paper Acc@1; 'missing': not in our copy of the paper's text):")
+    for r in rows:
+        top1 = "missing" if r["top1"] is None else f"{float(r['top1']):.2f}"
+        print(f"  {r['experiment']:<44} {r['row']:<44} {top1:>7}")
     return 0

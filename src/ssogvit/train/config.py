@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["compose", "quote_override", "list_experiments", "experiment_meta", "model_config_from", "CONFIG_MODULE",
-           "PATH_KEYS"]
+from .errors import ConfigError
+
+__all__ = [
+    "compose", "quote_override", "list_experiments", "experiment_meta", "experiment_rows", "unset_details",
+    "model_config_from", "IncompleteExperimentError", "CONFIG_MODULE", "PATH_KEYS", "check_run_config",
+    "RUN_CONFIG_RULES", "check_complete",
+]
 
 CONFIG_MODULE = "ssogvit.conf"
 PATH_KEYS = ("resume", "output_dir", "data.root", "transfer.ckpt")  # values taken literally, whatever characters
@@ -59,10 +65,18 @@ def quote_override(override: str) -> str:
     return override if ok or "=" not in value else f"{key}={_hydra_quoted(value)}"
 
 
-def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> DictConfig:
+class IncompleteExperimentError(ConfigError):
+    """An experiment whose paper does not give some of its settings (`meta.missing`), and the run did not set them."""
+
+
+def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow_unset: bool = False) -> DictConfig:
     """The run config for `overrides` (Hydra syntax: `experiment=cifar100_vit_base_ssog`, `data.batch_size=32`).
 
     When `experiment=<name>` is given and `name` is not overridden, the run is named after the experiment.
+
+    Raises:
+        IncompleteExperimentError: a key of the experiment's `meta.missing` (a detail the paper's text lacks) is still
+            null; `allow_unset=True` returns such a config anyway (to print or inspect it, never to train).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
@@ -75,7 +89,19 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config") -> Di
     exp = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment"), None)
     if exp and not any(o.split("=", 1)[0].lstrip("+") == "name" for o in overrides):
         OmegaConf.update(cfg, "name", exp.split("/")[-1], force_add=True)
+    if not allow_unset:
+        check_complete(cfg)
     return cfg
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Raise `IncompleteExperimentError` if a key of the experiment's `meta.missing` is still null."""
+    unset = unset_details(cfg)
+    if unset:
+        raise IncompleteExperimentError(
+            f"{', '.join(unset)} not set: the paper does not give them for experiment {cfg.name!r} (see its "
+            f"meta.description); pass them as overrides, e.g. {unset[0]}=<value>"
+        )
 
 
 def list_experiments() -> list[str]:
@@ -85,10 +111,37 @@ def list_experiments() -> list[str]:
 
 
 def experiment_meta(name: str) -> dict[str, Any]:
-    """The `meta` block (paper table, description) of an experiment, read without composing it."""
+    """The `meta` block of an experiment (`paper` label, `description`, `rows`: the paper rows it reproduces with the
+    paper's Acc@1, `missing`: settings the paper's text lacks), read without composing it."""
     text = (resources.files(CONFIG_MODULE) / "experiment" / f"{name}.yaml").read_text()
     node = OmegaConf.create(text)
     return dict(OmegaConf.to_container(node.get("meta", {}), resolve=False) or {})
+
+
+def experiment_rows(table: int | None = None) -> list[dict[str, Any]]:
+    """The paper rows that the experiment configs reproduce (`meta.rows`), each with its experiment's name.
+
+    Args:
+        table: only the rows of this paper table.
+
+    Returns:
+        `{"experiment", "table", "row", "top1"}` dicts (`top1`: the paper's Acc@1, `None` where our copy of the text
+        lacks it), ordered by table, then as listed in the configs.
+    """
+    out = []
+    for name in list_experiments():
+        for row in experiment_meta(name).get("rows") or []:
+            if table is None or int(row["table"]) == table:
+                out.append(
+                    {"experiment": name, "table": int(row["table"]), "row": str(row["row"]), "top1": row["top1"]}
+                )
+    return sorted(out, key=lambda r: r["table"])
+
+
+def unset_details(cfg: DictConfig) -> list[str]:
+    """Keys of the experiment's `meta.missing` (settings the paper's text lacks) that are still null in `cfg`."""
+    missing = OmegaConf.select(cfg, "meta.missing", default=None) or []
+    return [str(key) for key in missing if OmegaConf.select(cfg, str(key), default=None) is None]
 
 
 def model_config_from(cfg: DictConfig) -> dict[str, Any]:
@@ -100,3 +153,84 @@ def model_config_from(cfg: DictConfig) -> dict[str, Any]:
             continue
         out[key] = tuple(value) if key == "steer" and isinstance(value, list) else value
     return out
+
+
+def _number(low: float, high: float, *, integer: bool = False, low_open: bool = False, high_open: bool = False,
+            allow_null: bool = False):
+    """A check for a number in [low, high] (open ends as asked): returns what was expected, or None if `value` fits."""
+    def check(value: Any) -> str | None:
+        expected = (f"{'an integer' if integer else 'a number'} in {'(' if low_open else '['}{low}, {high}"
+                    f"{')' if high_open else ']'}" + (" or null" if allow_null else ""))
+        if value is None:
+            return None if allow_null else expected
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return expected
+        if integer and not float(value).is_integer():
+            return expected
+        if not math.isfinite(value) and not (value == high == math.inf):
+            return expected
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return None if above and below else expected
+    return check
+
+
+def _one_of(*choices: Any):
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"one of {list(choices)}"
+    return check
+
+
+INF = math.inf
+# Ranges of the run config's values, checked before a launch writes anything (`check_run_config`). Lightning, timm
+# and torch refuse most of these too, but only once training has started, and with a traceback.
+RUN_CONFIG_RULES: dict[str, Any] = {
+    "seed": _number(0, 2**32 - 1, integer=True),
+    "trainer.max_epochs": lambda v: None if v == -1 else _number(1, INF, integer=True)(v),  # -1: by max_steps
+    "trainer.accumulate_grad_batches": _number(1, INF, integer=True),
+    "trainer.gradient_clip_val": _number(0, INF, allow_null=True),
+    "trainer.check_val_every_n_epoch": _number(1, INF, integer=True),
+    "data.batch_size": _number(1, INF, integer=True),
+    "data.num_workers": _number(0, INF, integer=True),
+    "optim.lr": _number(0, INF, low_open=True, high_open=True),
+    "optim.lr_base_batch": _number(0, INF, low_open=True, high_open=True, allow_null=True),
+    "optim.weight_decay": _number(0, INF, high_open=True),
+    "sched.warmup_epochs": _number(0, INF, high_open=True),
+    "sched.warmup_lr": _number(0, INF, high_open=True),
+    "sched.min_lr": _number(0, INF, high_open=True),
+    "loss.smoothing": _number(0, 1, high_open=True),
+    "loss.jasmin.weight": _number(0, INF, high_open=True),
+    "loss.jasmin.reduce": _one_of("mean", "max"),
+    "mixup.mixup_alpha": _number(0, INF, high_open=True),
+    "mixup.cutmix_alpha": _number(0, INF, high_open=True),
+    "mixup.prob": _number(0, 1),
+    "mixup.switch_prob": _number(0, 1),
+    "ema.decay": _number(0, 1),
+    "ckpt.every_n_train_steps": _number(1, INF, integer=True, allow_null=True),
+    "ckpt.keep": _number(0, INF, integer=True),
+    # best.ckpt keeps the highest value, so only accuracies can be monitored
+    "ckpt.monitor": _one_of("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3", "val_ema/top5"),
+    "transfer.mode": _one_of("finetune", "linear"),
+}
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` naming the first value of `cfg` outside `RUN_CONFIG_RULES` (and an unknown optimizer, an
+    empty `output_dir`, EMA metrics monitored without EMA)."""
+    from .errors import ConfigError
+
+    for key, check in RUN_CONFIG_RULES.items():
+        value = OmegaConf.select(cfg, key, default="<absent>")
+        if value == "<absent>":
+            continue
+        expected = check(value)
+        if expected:
+            raise ConfigError(f"{key}={value!r} is not valid: expected {expected}")
+    from timm.optim import list_optimizers
+
+    if str(cfg.optim.opt).lower() not in list_optimizers():
+        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer (e.g. adamw, sgd, lamb)")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError("output_dir is empty: give the run a folder (default runs/<name>)")
+    if str(cfg.ckpt.monitor).startswith("val_ema/") and not cfg.ema.enabled:
+        raise ConfigError(f"ckpt.monitor={cfg.ckpt.monitor} needs ema.enabled=true")

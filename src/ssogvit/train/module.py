@@ -6,23 +6,21 @@ loads with `torch.load(weights_only=True)` and rebuilds its model without runnin
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Checkpoint
 from torch import Tensor, nn
 
-from .errors import NonFiniteError
-from .losses import jasmin_penalty, topk_correct
+from ssogvit.models.maps import record_attention
 
-__all__ = ["ClassificationModule", "EpochEndCheckpoint", "build_model", "count_parameters", "rng_state",
-           "save_resumable", "set_rng_state", "TOPK"]
+from .errors import NonFiniteError
+from .losses import attention_penalty, jasmin_options, topk_correct
+from .resume import rng_state, set_rng_state
+
+__all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
 
 TOPK = (1, 3, 5)
 
@@ -39,49 +37,6 @@ def build_model(model_config: Mapping[str, Any]) -> nn.Module:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch (CPU and CUDA), numpy and Python random states, as tensors and plain data (weights-only loadable)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached": float(cached)}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what `rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_resumable(trainer: pl.Trainer, path: str | Path) -> None:
-    """Save a checkpoint a resume may use (call it only at the end of a training epoch, or after `fit`)."""
-    module = trainer.lightning_module
-    module.saving_resumable = True
-    try:
-        trainer.save_checkpoint(path, weights_only=False)
-    finally:
-        module.saving_resumable = False
-
-
-class EpochEndCheckpoint(Checkpoint):
-    """Saves `path` (`last.ckpt`) at the end of every training epoch, after validation: the checkpoints that resume."""
-
-    monitor = None
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        save_resumable(trainer, self.path)
 
 
 class ClassificationModule(pl.LightningModule):
@@ -121,7 +76,7 @@ class ClassificationModule(pl.LightningModule):
         self.smoothing = smoothing
         jasmin = (recipe.get("loss") or {}).get("jasmin") or {}
         self.jasmin_weight = float(jasmin.get("weight", 0.0))
-        self.jasmin_reduce = str(jasmin.get("reduce", "mean"))
+        self.jasmin_options = jasmin_options(jasmin)
 
         ema = recipe.get("ema") or {}
         self.ema = None
@@ -146,10 +101,7 @@ class ClassificationModule(pl.LightningModule):
                 p.requires_grad_(name.startswith("head."))
 
     # checkpoints: exact resume ----------------------------------------------------------------------------------------
-    # A checkpoint can resume a run exactly only where the data order can be reproduced: at the end of a training
-    # epoch (the next epoch's shuffle is drawn from the torch RNG state saved with it). Those checkpoints
-    # (`save_resumable`) are marked `resumable`; mid-epoch and validation-time ones (step=*.ckpt, best.ckpt) are not
-    # (see docs/training.md).
+    # Every checkpoint carries the RNG states, and says whether a resume may use it (`ssogvit.train.resume`).
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         bad = [k for k, v in checkpoint["state_dict"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
@@ -181,8 +133,8 @@ class ClassificationModule(pl.LightningModule):
         if self.mixup_fn is not None:
             x, y = self.mixup_fn(x, y)  # y: soft targets (B, C) with label smoothing folded in
         if self.jasmin_weight > 0:
-            tokens, attns = self.model.forward_features(x, return_attn=True)
-            logits = self.model.forward_head(tokens)
+            with record_attention(self.model) as attns:
+                logits = self.model(x)
         else:
             logits = self.model(x)
         if y.ndim == 2:
@@ -191,7 +143,7 @@ class ClassificationModule(pl.LightningModule):
             loss = F.cross_entropy(logits.float(), y, label_smoothing=self.smoothing)
         bsz = x.shape[0]
         if self.jasmin_weight > 0:
-            reg = jasmin_penalty(attns, self.jasmin_reduce)
+            reg = attention_penalty(attns, **self.jasmin_options)
             self.log("train/jasmin", reg, on_step=False, on_epoch=True, batch_size=bsz)
             loss = loss + self.jasmin_weight * reg
         if not torch.isfinite(loss):

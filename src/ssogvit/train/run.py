@@ -15,7 +15,6 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -26,21 +25,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
-from .config import model_config_from
-from .errors import CheckpointError, ConfigError, TrainError
-from .io import (
-    atomic_checkpoint_io,
-    atomic_write,
-    check_checkpoint,
-    export_safetensors,
-    read_checkpoint,
-    read_model_config,
-)
-from .module import ClassificationModule, EpochEndCheckpoint, count_parameters, save_resumable
+from .config import check_run_config, model_config_from
+from .errors import ConfigError, TrainError
+from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_model_config
+from .module import ClassificationModule, count_parameters
+from .resume import EpochEndCheckpoint, check_resumable, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 
-__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "check_resumable",
-           "format_summary"]
+__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "format_summary"]
 
 NO_RESUME = (None, False, "null", "none", "false")
 
@@ -70,32 +62,6 @@ def resolve_resume(cfg: DictConfig, ckpt_dir: Path) -> str | None:
         return None
     check_checkpoint(path)  # a clear CheckpointError naming the intact ones, instead of a zip error mid-restore
     return str(path)
-
-
-def _canonical(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
-
-
-def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint `path` as a dict if a run of `model_config` can resume from it exactly; `CheckpointError` if not.
-
-    Only checkpoints taken at the end of a training epoch (`last.ckpt`) are resumable: there the data order and the
-    random state of the next epoch are known. The tensors are memory-mapped, not read.
-    """
-    path = Path(path)
-    ckpt = read_checkpoint(path, mmap=True)
-    if not (ckpt.get("ssogvit") or {}).get("resumable"):
-        raise CheckpointError(f"{path} was not saved at the end of a training epoch (or by this version of ssogvit), "
-                              f"so a resume from it cannot reproduce the data order; resume from "
-                              f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
-                              f"`ssogvit transfer --ckpt {path} --mode finetune`")
-    saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
-    if _canonical(saved) != _canonical(model_config):
-        a, b = _canonical(saved) or {}, _canonical(model_config)
-        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        raise CheckpointError(f"{path} holds another model (model_config differs in {', '.join(keys)}); resume it "
-                              f"with the settings it was trained with, or write elsewhere with output_dir=<new folder>")
-    return ckpt
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None = None, loggers: bool = True):
@@ -151,14 +117,26 @@ def _is_global_zero() -> bool:
     return int(getattr(rank_zero_only, "rank", 0) or 0) == 0
 
 
-def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule]:
-    """Data found, model built (and a transfer source read): everything a launch needs before it writes anything."""
+def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[str, Any], ClassificationModule]:
+    """Everything a launch needs, checked before it writes anything: the config's values, the data (found, loaders
+    built), the model (built, and one forward pass on a blank image of the data's shape), the trainer.
+
+    Returns `(trainer, datamodule, model_config, module)`; a `ConfigError` or `DataError` names what is wrong.
+    """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     from ssogvit.data import DataError
 
+    def refuse(what: str, err: BaseException) -> ConfigError:
+        return ConfigError(f"{what}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+
+    output_dir = Path(str(cfg.output_dir)).expanduser()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"output_dir={output_dir} is a file, not a folder")
     try:
         dm = build_datamodule(cfg)
     except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
-        raise ConfigError(f"the data cannot be set up from this config: {str(err).splitlines()[0]}") from None
+        raise refuse("the data cannot be set up from this config", err) from None
     dm.prepare_data()  # a missing dataset fails here, with its help text, before any model is built
     if int(dm.num_classes) <= 0:
         raise DataError("the dataset has no classes: set data.num_classes or data.root")
@@ -170,8 +148,26 @@ def _prepare(cfg: DictConfig) -> tuple[Any, dict[str, Any], ClassificationModule
     try:
         module = ClassificationModule(model_config, recipe, transfer)
     except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
-        raise ConfigError(f"the model cannot be built from this config: {str(err).splitlines()[0]}") from None
-    return dm, model_config, module
+        raise refuse("the model cannot be built from this config", err) from None
+    try:  # after the model, as Lightning does it: a dataset drawing random numbers leaves the initial weights alone
+        dm.setup("fit")
+        dm.train_dataloader(), dm.val_dataloader()
+    except (ValueError, TypeError) as err:
+        raise refuse("the data loaders cannot be built from this config", err) from None
+    blank = torch.zeros(1, int(dm.in_chans), int(dm.img_size), int(dm.img_size))  # (1, C, H, W)
+    training = module.training
+    try:
+        with torch.inference_mode():  # eval mode: no dropout, no drop path, so no random number is drawn
+            module.eval()(blank)
+    except (ValueError, RuntimeError) as err:
+        raise refuse(f"the model cannot run on {dm.img_size} px images with {dm.in_chans} channels", err) from None
+    finally:
+        module.train(training)
+    try:
+        trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
+    except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
+        raise refuse("the trainer cannot be set up from this config", err) from None
+    return trainer, dm, model_config, module
 
 
 def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = True) -> dict[str, Any]:
@@ -179,27 +175,37 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
 
     Before anything is written the launch is checked: the data are found, the model builds, and the output folder
     holds no run, or the unfinished run of this same config (resumed from its `last.ckpt` with `resume: auto`), or
-    `resume` names a checkpoint taken at an epoch end (`check_resumable`); otherwise a `TrainError` says what to do.
+    `resume` names a checkpoint taken at an epoch end (`ssogvit.train.resume.check_resumable`); otherwise a
+    `TrainError` says what to do.
     A non-finite loss or weights stop the run with a `NonFiniteError`; nothing non-finite is saved or exported.
 
     Seeds with `seed_everything(cfg.seed, workers=True)` and checkpoints the RNG states: with `trainer.deterministic`
     (default true), on one machine with the same threads and workers, two runs with the same seed, or a run killed
     and resumed any number of times, end with bit-identical weights.
     """
+    start = time.perf_counter()
+    deterministic_before = torch.are_deterministic_algorithms_enabled()  # Trainer(deterministic=True) switches it on
+    try:
+        return _launch(cfg, callbacks, verbose, start)
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
+
+
+def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    start = time.perf_counter()
     output_dir = Path(str(cfg.output_dir)).expanduser()
+    check_run_config(cfg)  # before seed_everything reads the seed
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    dm, model_config, module = _prepare(cfg)
+    trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     resume_setting = cfg.get("resume")
     if resume_setting not in NO_RESUME and resume_setting != "auto":
         check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
-        return _fit(cfg, output_dir, dm, model_config, module, resolve_resume(cfg, output_dir / "checkpoints"),
-                    callbacks, verbose, start)
+        return _fit(cfg, output_dir, trainer, dm, model_config, module,
+                    resolve_resume(cfg, output_dir / "checkpoints"), start)
     with RunLock(output_dir):
         resume = decide_resume(output_dir, resume_setting, config)
         if resume is not None:
@@ -213,8 +219,8 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
         atomic_write(output_dir / "config.yaml", lambda tmp: OmegaConf.save(cfg, tmp, resolve=True))
         write_run_state(output_dir, "running", pid=os.getpid(), resumed_from=resume)
         if verbose and resume:
-            print(f"resuming from {resume} (epoch {epoch + 1} done, step {step})")
-        summary = _fit(cfg, output_dir, dm, model_config, module, resume, callbacks, verbose, start)
+            print(f"resuming from {resume} ({epoch + 1} epochs done, step {step})")
+        summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
         write_run_state(output_dir, "finished", epochs=summary["epochs"], steps=summary["steps"],
                         best=summary["best"], export=summary["export"])
     if verbose:
@@ -222,14 +228,9 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
     return summary
 
 
-def _fit(cfg: DictConfig, output_dir: Path, dm, model_config: dict[str, Any], module: ClassificationModule,
-         resume: str | None, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
-    trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
-    try:
-        trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic_before)
+def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str, Any], module: ClassificationModule,
+         resume: str | None, start: float) -> dict[str, Any]:
+    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     if trainer.interrupted:
         raise TrainError(f"the run in {output_dir} was interrupted; resume it with resume=auto")
     save_resumable(trainer, output_dir / "checkpoints" / "last.ckpt")  # the final state, whatever saved last

@@ -1,0 +1,213 @@
+"""`ssogvit report RUN_DIR...`: the paper's tables and training curves from the logged metrics of finished runs.
+
+Reads what `ssogvit train` leaves in a run folder (see `ssogvit.train.run`): `config.yaml` (the resolved config, with
+the experiment's `meta.rows`: the paper rows the run reproduces) and `logs/version_*/metrics.csv` (Lightning's
+CSVLogger; a resumed run adds a version, and a later version's value for an epoch replaces an earlier one). Writes
+into `--out`:
+
+- `table<N>.md` for each paper table that the runs belong to (or only `--table N`): every row of the table with the
+  paper's Acc@1 beside our best and final validation top-1, the dataset and the epochs run, and `runs.md` for runs
+  that reproduce no paper row;
+- `curves.png`: training and validation loss, and validation top-1, against epoch, every run on the same axes.
+
+Existing files are never overwritten unless `--force` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "plot_curves", "main"]
+
+
+class ReportError(ValueError):
+    """A run folder that cannot be reported, or a report that would overwrite files."""
+
+
+@dataclass
+class RunLog:
+    """The per-epoch metrics of one run (epochs counted from 1) and what it reproduces."""
+
+    path: Path
+    name: str
+    data: str
+    max_epochs: int
+    rows: list[dict[str, Any]]
+    series: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> {epoch: value}
+
+    @property
+    def epochs_done(self) -> int:
+        return max(self.series.get("val/top1", {0: 0}))
+
+    def best_top1(self) -> tuple[float, int]:
+        top1 = self.series["val/top1"]
+        epoch = max(top1, key=lambda e: (top1[e], -e))  # the first epoch that reached the best value
+        return top1[epoch], epoch
+
+    def final_top1(self) -> float:
+        top1 = self.series["val/top1"]
+        return top1[max(top1)]
+
+
+CURVES = ("train/loss_epoch", "val/loss", "val/top1")
+
+
+def read_run(path: str | Path) -> RunLog:
+    """The logged metrics and paper rows of the run in `path` (a folder written by `ssogvit train`)."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    cfg_file = path / "config.yaml"
+    if not cfg_file.is_file():
+        raise ReportError(f"{path}: no config.yaml; expected a run folder written by `ssogvit train`")
+    versions = sorted((path / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    if not versions:
+        raise ReportError(f"{path}: no logs/version_*/metrics.csv; expected a run folder written by `ssogvit train`")
+    cfg = OmegaConf.load(cfg_file)
+    meta = OmegaConf.to_container(cfg.meta, resolve=False) if "meta" in cfg else {}
+    rows = meta.get("rows") or []
+    run = RunLog(path=path, name=str(cfg.get("name", path.name)), data=str(cfg.data.name),
+                 max_epochs=int(cfg.trainer.max_epochs), rows=list(rows))
+    for csv_file in versions:  # later launches (resume) override earlier values of the same epoch
+        with open(csv_file, newline="") as f:
+            for rec in csv.DictReader(f):
+                if not rec.get("epoch"):
+                    continue
+                epoch = int(float(rec["epoch"])) + 1
+                for key in CURVES:
+                    value = rec.get(key)
+                    if value not in (None, ""):
+                        run.series.setdefault(key, {})[epoch] = float(value)
+    if not run.series.get("val/top1"):
+        raise ReportError(f"{path}: its metrics hold no val/top1; no epoch of the run has finished")
+    return run
+
+
+def _fmt(value: float | None) -> str:
+    return "missing" if value is None else f"{float(value):.2f}"
+
+
+def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: list[RunLog]) -> str:
+    """A markdown table: each paper row with the paper's Acc@1 beside ours, or (`table=None`) the runs on their own.
+
+    Args:
+        table: the paper table number, or `None` for runs that reproduce no paper row.
+        paper_rows: the table's rows (`experiment_rows(table)`); ignored when `table` is `None`.
+        runs: the runs to report; a run fills the rows that its `meta.rows` names.
+    """
+    head = "| Row | Experiment | Paper Acc@1 | Ours best Acc@1 (epoch) | Ours final Acc@1 | Data | Epochs |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+
+    def ours(run: RunLog) -> str:
+        best, epoch = run.best_top1()
+        return (f"{best:.2f} ({epoch}) | {run.final_top1():.2f} | {run.data} | {run.epochs_done}/{run.max_epochs}"
+                f"{'' if run.epochs_done >= run.max_epochs else ' (unfinished)'}")
+
+    if table is None:
+        lines[0] = lines[0].replace("| Row | Experiment | Paper Acc@1 |", "| Run |")
+        lines[1] = "|---|---|---|---|---|"
+        lines += [f"| {run.name} | {ours(run)} |" for run in runs]
+        return "\n".join(lines) + "\n"
+    for row in paper_rows:
+        matching = [r for r in runs if any(int(m["table"]) == table and m["row"] == row["row"] for m in r.rows)]
+        prefix = f"| {row['row']} | {row['experiment']} | {_fmt(row['top1'])} |"
+        if not matching:
+            lines.append(f"{prefix} not run | | | |")
+        lines += [f"{prefix} {ours(run)} |" for run in matching]
+    known = {row["row"] for row in paper_rows}
+    for run in runs:  # a run that names a row the packaged configs no longer have: shown with its own record
+        for m in run.rows:
+            if int(m["table"]) == table and m["row"] not in known:
+                lines.append(f"| {m['row']} (not in the current configs) | {run.name} | {_fmt(m.get('top1'))} "
+                             f"| {ours(run)} |")
+    title = f"Table {table}: the paper's Acc@1 beside ours (validation top-1, %; epochs counted from 1)."
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: list[RunLog], path: Path) -> None:
+    """Loss (training solid, validation dashed) and validation top-1 against epoch, every run on the same axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.get_cmap("tab10")
+    for i, run in enumerate(runs):
+        c = colors(i % 10)
+        for key, style in (("train/loss_epoch", "-"), ("val/loss", "--")):
+            s = run.series.get(key, {})
+            if s:
+                ax_loss.plot(sorted(s), [s[e] for e in sorted(s)], style, color=c, marker="o", ms=3)
+        s = run.series["val/top1"]
+        ax_top1.plot(sorted(s), [s[e] for e in sorted(s)], "-", color=c, marker="o", ms=3, label=run.name)
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_loss.legend(handles=[Line2D([], [], color="k", ls="-", label="training"),
+                            Line2D([], [], color="k", ls="--", label="validation")])
+    ax_top1.set(xlabel="epoch", ylabel="validation top-1 (%)", title="validation top-1")
+    ax_top1.legend(fontsize="small")
+    for ax in (ax_loss, ax_top1):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    """`ssogvit report RUN_DIR... [--table N] [--out DIR] [--force]`"""
+    parser = argparse.ArgumentParser(
+        prog="ssogvit report",
+        description="Write the markdown table of a paper table (our validation top-1 beside the paper's Acc@1) and "
+        "PNG training curves from the logged metrics of runs written by `ssogvit train`.",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (output_dir of `ssogvit train`)")
+    parser.add_argument("--table", type=int, default=None, help="only this paper table (every run must belong to it)")
+    parser.add_argument("--out", default="report", help="folder for the tables and curves.png (default: report)")
+    parser.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    args = parser.parse_args(argv)
+    try:
+        written = _report(args)
+    except ReportError as err:
+        print(f"ssogvit report: {err}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> list[Path]:
+    from .config import experiment_rows
+
+    runs = [read_run(p) for p in args.runs]
+    tables = sorted({int(m["table"]) for r in runs for m in r.rows})
+    if args.table is not None:
+        outside = [r.name for r in runs if not any(int(m["table"]) == args.table for m in r.rows)]
+        if outside:
+            raise ReportError(f"run(s) {', '.join(outside)} reproduce no row of Table {args.table} (their config's "
+                              "meta.rows); leave out --table to report every table they belong to")
+        tables = [args.table]
+    outputs: dict[Path, str | None] = {}
+    out = Path(args.out)
+    for t in tables:
+        outputs[out / f"table{t}.md"] = table_markdown(t, experiment_rows(t), runs)
+    loose = [r for r in runs if not r.rows]
+    if loose and args.table is None:
+        outputs[out / "runs.md"] = table_markdown(None, [], loose)
+    outputs[out / "curves.png"] = None
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.force:
+        raise ReportError(f"{', '.join(existing)} already exist; pass --force to overwrite or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    for p, text in outputs.items():
+        if text is None:
+            plot_curves(runs, p)
+        else:
+            p.write_text(text)
+    return list(outputs)

@@ -1,0 +1,109 @@
+"""`ssogvit report`: paper tables and curves from the logged metrics of finished runs, through the CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ssogvit.cli import main as cli
+from ssogvit.train.config import compose, experiment_rows
+from ssogvit.train.report import ReportError, read_run, table_markdown
+from ssogvit.train.run import train
+
+TINY = [
+    "data=digits", "data.img_size=16", "model.size=tiny", "model.kwargs.patch_size=4", "model.kwargs.embed_dim=32",
+    "model.kwargs.num_heads=2", "model.kwargs.depth=1", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu", "trainer.devices=1", "trainer.limit_train_batches=5", "trainer.log_every_n_steps=1",
+    "resume=null",
+]
+
+
+def ssogvit(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "ssogvit", *map(str, args)], capture_output=True, text=True, env=env)
+
+
+def val_top1_from_csv(run: Path) -> dict[int, float]:
+    """Epoch (from 1) -> val/top1, read straight from the CSV log."""
+    with open(run / "logs" / "version_0" / "metrics.csv") as f:
+        return {int(r["epoch"]) + 1: float(r["val/top1"]) for r in csv.DictReader(f) if r.get("val/top1")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    paper = root / "ode_fixed"  # labelled as Table 1's fixed ODE-SSoG run, trained tiny on digits
+    train(compose(["experiment=cifar100_ode_base_ssog", *TINY, f"output_dir={paper}"]), verbose=False)
+    plain = root / "vit_digits"  # a run that reproduces no paper row
+    train(compose(["model=vit", *TINY, f"output_dir={plain}"]), verbose=False)
+    return root, paper, plain
+
+
+def test_report_writes_the_table_beside_the_papers_numbers_and_the_curves(runs):
+    root, paper, plain = runs
+    out = root / "out"
+    p = ssogvit("report", paper, plain, "--out", out)
+    assert p.returncode == 0, p.stderr
+    top1 = val_top1_from_csv(paper)
+    assert len(top1) == 2
+    best_epoch = max(top1, key=lambda e: (top1[e], -e))
+    fixed = next(ln for ln in (out / "table1.md").read_text().splitlines() if ln.startswith("| Fixed |"))
+    cells = [c.strip() for c in fixed.strip("|").split("|")]
+    assert cells == ["Fixed", "cifar100_ode_base_ssog", "74.22", f"{top1[best_epoch]:.2f} ({best_epoch})",
+                     f"{top1[2]:.2f}", "digits", "2/2"]
+    assert "| Full, cold | cifar100_ode_base_ssog_steered | 70.89 | not run |" in (out / "table1.md").read_text()
+    for t in (6, 7, 10, 11, 15):  # every table the run belongs to
+        assert "cifar100_ode_base_ssog | 74.22 |" in (out / f"table{t}.md").read_text()
+    plain_top1 = val_top1_from_csv(plain)
+    assert f"| vit-tiny-ssog_digits | {max(plain_top1.values()):.2f} (" in (out / "runs.md").read_text()
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_report_never_overwrites_unless_forced(runs, capsys):
+    root, paper, _ = runs
+    out = root / "again"
+    assert cli(["report", str(paper), "--table", "1", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "table1.md"]
+    (out / "table1.md").write_text("mine")
+    assert cli(["report", str(paper), "--table", "1", "--out", str(out)]) == 2
+    assert "already exist" in capsys.readouterr().err
+    assert (out / "table1.md").read_text() == "mine"
+    assert cli(["report", str(paper), "--table", "1", "--out", str(out), "--force"]) == 0
+    assert "| Fixed |" in (out / "table1.md").read_text()
+
+
+def test_report_refuses_bad_input_with_exit_2(runs, tmp_path, capsys):
+    root, paper, plain = runs
+    p = ssogvit("report", tmp_path / "nowhere", "--out", tmp_path / "o")
+    assert p.returncode == 2 and "no config.yaml" in p.stderr and "Traceback" not in p.stderr
+    assert cli(["report", str(plain), "--table", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "reproduce no row of Table 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_resumed_runs_take_the_later_launch_for_an_epoch(runs, tmp_path):
+    _, paper, _ = runs
+    run = tmp_path / "resumed"
+    (run / "logs" / "version_0").mkdir(parents=True)
+    (run / "logs" / "version_1").mkdir(parents=True)
+    (run / "config.yaml").write_text((paper / "config.yaml").read_text())
+    head = "epoch,step,train/loss_epoch,val/loss,val/top1\n"
+    (run / "logs" / "version_0" / "metrics.csv").write_text(head + "0,5,,2.0,10.0\n0,5,2.1,,\n1,9,,1.9,20.0\n")
+    (run / "logs" / "version_1" / "metrics.csv").write_text(head + "1,9,,1.8,25.0\n2,13,,1.7,30.0\n")
+    log = read_run(run)
+    assert log.series["val/top1"] == {1: 10.0, 2: 25.0, 3: 30.0}
+    log.rows = [{"table": 1, "row": "Renamed row", "top1": 74.22}]  # a row the current configs do not have
+    assert "| Renamed row (not in the current configs) | cifar100_ode_base_ssog | 74.22 | 30.00 (3) | 30.00 |" in (
+        table_markdown(1, experiment_rows(1), [log]))
+    assert log.series["train/loss_epoch"] == {1: 2.1}
+    assert log.best_top1() == (30.0, 3) and log.final_top1() == 30.0
+    (run / "logs" / "version_1" / "metrics.csv").unlink()
+    (run / "logs" / "version_0" / "metrics.csv").write_text(head + "0,5,2.1,,\n")
+    with pytest.raises(ReportError, match="no epoch of the run has finished"):
+        read_run(run)
