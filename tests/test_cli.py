@@ -18,7 +18,7 @@ import yaml
 TINY_MODEL = ["model=vit", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
               "model.kwargs.depth=2", "model.kwargs.patch_size=4", "model.kwargs.drop_path_rate=0.0",
               "trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
-              "ckpt.every_n_train_steps=0"]
+              "ckpt.every_n_train_steps=null"]
 TINY = ["data=synthetic", "data.img_size=16", "data.train_size=64", "data.val_size=32", "data.batch_size=16",
         "data.learnable=true", *TINY_MODEL]
 # the same on the embedded digits, two steps of one epoch
