@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("ssogvit.train.cli", "train_main", "train a model (Hydra overrides, e.g. experiment=cifar100_vit_base_ssog)"),
     "eval": ("ssogvit.train.cli", "eval_main", "evaluate a checkpoint, optionally at another image or patch size"),
     "transfer": ("ssogvit.train.cli", "transfer_main", "linear probe or fine-tune a checkpoint on another dataset"),
+    "convert": ("ssogvit.convert.cli", "convert_main", "turn a trained attention ViT into an SSoG ViT (fit + distil)"),
     "list": ("ssogvit.train.cli", "list_main", "list models, mixers and experiment configs"),
     "report": ("ssogvit.train.report", "main", "paper tables (ours beside the paper's) and curves from finished runs"),
     "bench": ("ssogvit.bench.cli", "main", "efficiency benchmarks: models, operator, flops"),
