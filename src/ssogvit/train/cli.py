@@ -76,15 +76,17 @@ def train_main(argv: list[str]) -> int:
     return run_config_command("ssogvit train", argv, _train)
 
 
-def run_config_command(prog: str, argv: list[str], task, *, overrides: list[str] | tuple[str, ...] = ()) -> int:
+def run_config_command(prog: str, argv: list[str], task, *, overrides: list[str] | tuple[str, ...] = (),
+                       config_name: str = "config") -> int:
     """A command that runs `task(cfg)` on a Hydra config: Hydra's command line, user errors in one or two lines.
 
-    `--print-config` is kept as the short form of `--cfg job --resolve`.
+    `config_name` is the primary config in `ssogvit/conf` (e.g. `convert`). `--print-config` is kept as the short
+    form of `--cfg job --resolve`.
     """
     from .hydra_app import hydra_command
 
     argv = [a for flag in argv for a in (("--cfg", "job", "--resolve") if flag == "--print-config" else (flag,))]
-    return report_errors(prog, lambda: hydra_command(prog, argv, task, overrides=overrides))
+    return report_errors(prog, lambda: hydra_command(prog, argv, task, overrides=overrides, config_name=config_name))
 
 
 def _train(cfg, *, fresh_output: bool = False) -> int:
