@@ -1,4 +1,4 @@
-"""`ssogvit main`: the side-by-side table, the paths it reports, and (slow) the 90% claim."""
+"""`ssogvit main`: the side-by-side table, the curves and paths it reports, and (slow) the 90% claim."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from ssogvit.train.curves import read_epoch_metrics
 from ssogvit.train.main_job import main
 
 
@@ -21,6 +22,12 @@ def test_main_job_prints_table_and_paths_and_flags_a_short_run(tmp_path, capsys)
         assert (out / mixer / "checkpoints" / "last.ckpt").is_file()
         assert (out / mixer / "export" / "model.safetensors").is_file()
         assert str(out / mixer / "checkpoints") in text and str(out / mixer / "logs") in text
+    # both models' curves, drawn from their CSV logs: one epoch each, the last validation top-1 as in the table
+    assert f"training curves: {out / 'curves.png'}" in text
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ssog_top1 = float(re.search(r"^vit-tiny-ssog\s+\S+\s+(\d+\.\d\d)%", text, flags=re.M).group(1))
+    curve = read_epoch_metrics(out / "ssog")["val/top1"]
+    assert list(curve) == [0] and round(curve[0], 2) == ssog_top1
     # the same --out again: the finished runs stay as they are, the job writes to a fresh <out>-2
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     main(["--out", str(out), "--epochs", "1", "--no-progress", "--mixers", "ssog", "trainer.limit_train_batches=1",

@@ -1,9 +1,17 @@
-"""`ssogvit <command> ...`: one console script, each command implemented where its work lives."""
+"""`ssogvit <command> ...`: one console script, each command implemented where its work lives.
+
+A user's mistake ends in one or two lines naming the problem and the fix, exit status 2, no traceback; `--debug`
+(anywhere on the command line) or the environment variable `SSOGVIT_DEBUG=1` shows the traceback instead. Output
+into a pipe that closes early (`ssogvit list | head`) ends quietly with status 141, as a process stopped by SIGPIPE.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+DEBUG_ENV = "SSOGVIT_DEBUG"
 
 # command -> (module, function, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -21,24 +29,71 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: ssogvit <command> [options]", "", "commands:"]
+    lines = ["usage: ssogvit [--version] <command> [options] [--debug]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run `ssogvit <command> --help` for a command's options."]
+    lines += ["", "Run `ssogvit <command> --help` for a command's options. --debug (or SSOGVIT_DEBUG=1): show the "
+              "traceback of an error."]
     return "\n".join(lines)
+
+
+def debug_enabled() -> bool:
+    """Whether errors show their traceback (`--debug`, or `SSOGVIT_DEBUG` set to anything but 0/empty)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ssogvit import __version__
+
+    try:
+        installed = version("ssogvit")
+    except PackageNotFoundError:
+        installed = __version__
+    return f"ssogvit {__version__}" + (f" (installed metadata says {installed})" if installed != __version__ else "")
+
+
+def _end_quietly_on_closed_pipe() -> int:
+    """The reader of stdout went away: send the rest to /dev/null so that Python's exit flush cannot complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ[DEBUG_ENV] = "1"  # read by each command's error reporting (and by its subprocesses)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
+    if argv[0] in ("--version", "-V"):
+        print(_version())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"ssogvit: unknown command {name!r}; expected one of: {', '.join(COMMANDS)}\n", file=sys.stderr)
-        print(_usage(), file=sys.stderr)
+        print(f"ssogvit: unknown command {name!r}; expected one of: {', '.join(COMMANDS)} (see `ssogvit --help`)",
+              file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    result = getattr(importlib.import_module(module), func)(rest)
+    try:
+        result = getattr(importlib.import_module(module), func)(rest)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's exit flush
+    except BrokenPipeError:
+        return _end_quietly_on_closed_pipe()
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print(f"ssogvit {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a user error a command did not report itself
+        from ssogvit.train.cli import format_error, user_errors
+
+        if debug_enabled() or not isinstance(err, user_errors()):
+            raise
+        print(format_error(f"ssogvit {name}", err), file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

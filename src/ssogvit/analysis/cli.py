@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssogvit.train.cli import ArgumentParser
+
 from . import _data
 from ._common import fmt, is_ssog, markdown_table, write_json, write_markdown
 from .atoms import atoms_report, plot_atoms
@@ -29,7 +31,7 @@ ANALYSES = ("fields", "atoms", "lipschitz", "sinks", "steering", "transfer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="ssogvit analyze",
         description="Look inside trained (--ckpt) or freshly built (--model) models. Writes <out>/<what>.png, "
         ".json and .md and prints a summary.",

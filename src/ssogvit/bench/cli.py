@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ssogvit.errors import UsageError
+from ssogvit.train.cli import ArgumentParser
+
 RESOLUTIONS = [224, 384, 512, 640, 768, 1024]
 GPU_BATCHES = [8, 16, 32, 64, 128, 256, 512]
 CPU_MODEL_BATCHES = [1, 4]
@@ -36,7 +39,7 @@ def _kv(items: list[str] | None) -> dict[str, Any]:
     for item in items or []:
         key, eq, value = item.partition("=")
         if not eq:
-            raise SystemExit(f"ssogvit bench: --set expects key=value, got {item!r}")
+            raise UsageError(f"--set expects key=value, got {item!r}")
         out[key] = _value(value)
     return out
 
@@ -87,7 +90,7 @@ def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ssogvit bench", description="Efficiency benchmarks (SPEC section 8).")
+    ap = ArgumentParser(prog="ssogvit bench", description="Efficiency benchmarks (SPEC section 8).")
     sub = ap.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="throughput and peak memory of whole models over resolutions and batches")
@@ -226,34 +229,75 @@ def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str,
                 print(f"wrote {p}")
 
 
-def _report(args: argparse.Namespace) -> int:
-    from ssogvit.bench.runner import read_results, write_results
+def _read_mergeable(files: list[str]) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
+    """`(metas, [(file, rows)])` of results files that can share one table, or `UsageError` naming the one that cannot.
 
-    metas, rows = [], []
-    for f in args.files:
-        meta, part = read_results(f)
+    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` or `targets` tables), all of one
+    kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared side by side.
+    """
+    from ssogvit.bench.runner import read_results
+
+    metas, parts = [], []
+    for f in files:
+        try:
+            meta, rows = read_results(f)
+        except FileNotFoundError:
+            raise UsageError(f"{f} does not exist") from None
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"{f} is not a results file of `ssogvit bench models` or `bench operator` (a `bench "
+                             f"flops` file is a complete table already: see flops.md beside it)") from None
         metas.append(meta | {"file": str(f)})
-        rows += part
-    kinds = {r.get("kind") for r in rows} - {"matmul"}
-    if len(kinds) != 1:
-        raise SystemExit(f"ssogvit bench report: expected results of one kind (models or operator), got {kinds}")
-    command = "models" if kinds == {"model"} else "operator"
+        parts.append((str(f), rows))
+    kinds = {(Path(f), frozenset({r.get("kind") for r in rows} - {"matmul"})) for f, rows in parts}
+    if len({k for _, k in kinds}) != 1 or len(next(iter(kinds))[1]) != 1:
+        found = ", ".join(f"{f.name}: {'/'.join(sorted(map(str, k))) or 'no rows'}" for f, k in sorted(kinds))
+        raise UsageError(f"results of one kind (models or operator) can be merged, got {found}")
+    machine = ("cpu", "gpu", "torch")
+    first = metas[0]
+    for m in metas[1:]:
+        differs = [k for k in machine if m.get(k) != first.get(k)]
+        if differs:
+            k = differs[0]
+            raise UsageError(f"{m['file']} was measured with {k} {m.get(k)!r} and {first['file']} with "
+                             f"{first.get(k)!r}: timings of different machines cannot share one table")
+    return metas, parts
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ssogvit.bench.runner import write_results
+
+    metas, parts = _read_mergeable(args.files)
+    rows = [r for _, part in parts for r in part]
+    command = "models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator"
     first = Path(args.files[0])
     out = Path(args.out) if args.out else first.parent
     name = args.name or first.stem + "_report"
     out.mkdir(parents=True, exist_ok=True)
-    # a point measured again in a later file replaces the earlier one
-    keyed = {}
-    for r in rows:
-        keyed[(r.get("label"), r.get("res"), r.get("batch"), r.get("mode"), r.get("dtype"))] = r
-    rows = list(keyed.values())
+    # Rule for a point measured in several files: the file given last on the command line wins (said below).
+    keyed: dict[tuple, tuple[str, dict]] = {}
+    seen_in: dict[tuple, list[str]] = {}
+    for f, part in parts:
+        for r in part:
+            key = (r.get("kind"), r.get("label"), r.get("res"), r.get("batch"), r.get("mode"), r.get("dtype"),
+                   r.get("device"), r.get("threads"))
+            keyed[key] = (f, r)
+            seen_in.setdefault(key, []).append(Path(f).name)
+    rows = [r for _, r in keyed.values()]
     key = "mixer" if command == "models" else "label"
     present = list(dict.fromkeys(str(r.get(key)) for r in rows))
     baseline = args.baseline or ("mha" if "mha" in present or not present else present[0])
-    write_results(rows, {"merged_from": metas}, out, name)
+    repeated = {k: files for k, files in seen_in.items() if len(files) > 1}
+    rule = "a point measured in several files is taken from the file given last on the command line"
+    write_results(rows, {"merged_from": metas, "merge_rule": rule, "points_in_several_files": len(repeated)}, out,
+                  name)
     for m in metas:
         print(f"# {m.get('file')}: {m.get('command')} ({m.get('date_utc')}, load average {m.get('loadavg')} -> "
               f"{m.get('loadavg_end')})")
+    if repeated:
+        shown = "; ".join(f"{k[1]} res={k[2]} batch={k[3]}: {', '.join(files)} -> {files[-1]}"
+                          for k, files in list(repeated.items())[:3])
+        print(f"# {len(repeated)} point(s) measured in several files; {rule} ({shown}"
+              f"{'; ...' if len(repeated) > 3 else ''})")
     _render(command, rows, baseline, out, name, plots=not args.no_plots)
     return 0
 
@@ -262,7 +306,8 @@ def _flops(args: argparse.Namespace) -> int:
     from ssogvit.bench.flops import flops_rows, format_flops_table
 
     names = [f"{fam}-{size}-{mixer}" for fam in args.families for size in args.sizes for mixer in args.mixers]
-    rows = flops_rows(names, args.res, check=args.check, model_kwargs={"num_classes": args.num_classes})
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.check else None  # the check takes minutes
+    rows = flops_rows(names, args.res, check=args.check, model_kwargs={"num_classes": args.num_classes}, log=log)
     text = format_flops_table(rows)
     print(text)
     if args.out:

@@ -21,7 +21,7 @@ continuous-depth model with one block counts it ``model.depth`` times.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -253,9 +253,11 @@ def flops_rows(
     *,
     check: bool = False,
     model_kwargs: dict | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Analytic (and with ``check``, FlopCounterMode) GFLOPs per image for each model name and resolution, with the
-    paper's Table 4 value where it has one (base width, 12 block applications)."""
+    paper's Table 4 value where it has one (base width, 12 block applications). ``log`` gets one line per point
+    as it is done (``[3/30] vit-base-ssog res=512: ...``)."""
     from ssogvit.bench._paper import table4
     from ssogvit.models import create_model
 
@@ -280,6 +282,10 @@ def flops_rows(
             if check:
                 row["measured_gflops"] = measure_flops(model, res) / 1e9
             rows.append(row)
+            if log is not None:
+                counted = f", counted {row['measured_gflops']:.2f}" if check else ""
+                log(f"[{len(rows)}/{len(names) * len(resolutions)}] {name} res={res}: analytic "
+                    f"{row['gflops']:.2f}{counted} GFLOPs")
     return rows
 
 

@@ -6,17 +6,19 @@ keys that only describe it: `name`, `num_classes` for fixed datasets, ...).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from ._common import AUG_DEFAULTS, ClassificationDataModule, DataError, build_transform
+from ._common import AUG_DEFAULTS, ClassificationDataModule, DataConfigError, DataError, build_transform
 from .cifar100 import Cifar100DataModule, find_cifar100, read_cifar100_split
 from .digits import DigitsDataModule, load_digits_split
 from .imagefolder import ImageFolderDataModule
 from .synthetic import SyntheticDataModule, SyntheticDataset
 
 __all__ = [
-    "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "build_transform", "create_datamodule", "list_datasets",
+    "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "DataConfigError",
+    "build_transform", "create_datamodule", "list_datasets",
     "DigitsDataModule", "Cifar100DataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticDataset",
     "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES",
 ]
@@ -43,7 +45,7 @@ def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
     checked against the fixed values of `digits` and `cifar100`.
     """
     if name not in DATAMODULES:
-        raise ValueError(f"unknown dataset {name!r}; valid: {list_datasets()}")
+        raise DataConfigError(f"unknown dataset {name!r}; valid: {list_datasets()}")
     cls = DATAMODULES[name]
     options = {k: v for k, v in options.items() if v is not None}
     fixed = {k: options.pop(k) for k in list(options) if k in _DESCRIPTIVE}
@@ -51,9 +53,25 @@ def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
     if cls in (DigitsDataModule, Cifar100DataModule):
         for key, value in fixed.items():
             if int(value) != int(getattr(cls, key)):
-                raise ValueError(f"{name} has {key}={getattr(cls, key)}, the config says {value}")
+                raise DataConfigError(f"{name} has {key}={getattr(cls, key)}, the config says {value}")
     else:
         options.update(fixed)
+    unknown = sorted(set(options) - _options_of(cls))
+    if unknown:
+        hint = " (the digits are embedded in scikit-learn: there is no root to set)" if name == "digits" else ""
+        raise DataConfigError(f"data={name} has no option {', '.join(unknown)}{hint}; its options: "
+                              f"{', '.join(sorted(_options_of(cls)))}")
     if isinstance(options.get("aug"), Mapping):
         options["aug"] = dict(options["aug"])
     return cls(**options)
+
+
+def _options_of(cls: type) -> set[str]:
+    """The keyword options a datamodule class takes, its base classes' included."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and issubclass(klass, ClassificationDataModule):
+            params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+            names |= {p.name for p in params if p.kind == p.KEYWORD_ONLY or (p.kind == p.POSITIONAL_OR_KEYWORD
+                                                                              and p.name != "self")}
+    return names

@@ -9,11 +9,15 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["DataError", "ClassificationDataModule", "build_transform", "AUG_DEFAULTS"]
+__all__ = ["DataError", "DataConfigError", "ClassificationDataModule", "build_transform", "AUG_DEFAULTS"]
 
 
 class DataError(RuntimeError):
     """A dataset is missing or not in the expected format; the message says how to fix it."""
+
+
+class DataConfigError(DataError, ValueError):
+    """A data config asks for something the dataset does not have (an unknown option, a wrong class count)."""
 
 
 # Options of timm.data.create_transform that a data config may set (under `aug:`), with their defaults here.
@@ -47,7 +51,7 @@ def build_transform(img_size: int, in_chans: int, aug: Mapping[str, Any] | None,
     options = dict(AUG_DEFAULTS)
     unknown = set(aug or {}) - set(AUG_DEFAULTS)
     if unknown:
-        raise ValueError(f"unknown aug options {sorted(unknown)}; valid: {sorted(AUG_DEFAULTS)}")
+        raise DataConfigError(f"unknown aug options {sorted(unknown)}; valid: {sorted(AUG_DEFAULTS)}")
     options.update({k: v for k, v in (aug or {}).items()})
     mean, std = tuple(options.pop("mean")), tuple(options.pop("std"))
     if len(mean) != in_chans or len(std) != in_chans:

@@ -54,7 +54,15 @@ class ImageFolderDataModule(ClassificationDataModule):
         return names[self.train_dir]
 
     def prepare_data(self) -> None:
-        self._class_names()
+        from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+        for sub in (self.train_dir, self.val_dir):
+            for name in self._class_names():  # an empty class would otherwise fail only when the run has started
+                folder = self._folder(sub) / name
+                if not any(has_file_allowed_extension(p.name, IMG_EXTENSIONS) for p in folder.iterdir()):
+                    raise DataError(f"class folder {folder} holds no image ({', '.join(IMG_EXTENSIONS[:4])}, ...); "
+                                    f"add its images or remove the class from both {self.train_dir}/ and "
+                                    f"{self.val_dir}/")
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         from torchvision.datasets import ImageFolder
@@ -67,8 +75,12 @@ class ImageFolderDataModule(ClassificationDataModule):
         def loader(path: str):
             from PIL import Image
 
-            with open(path, "rb") as f:
-                return Image.open(f).convert(mode)
+            try:
+                with open(path, "rb") as f:
+                    return Image.open(f).convert(mode)
+            except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for a truncated or corrupt file
+                raise DataError(f"cannot read image {path} ({type(err).__name__}: {err}); replace or remove the "
+                                f"file, then resume the run") from None
 
         train = ImageFolder(str(self._folder(self.train_dir)), transform=self.train_transform(), loader=loader)
         val = ImageFolder(str(self._folder(self.val_dir)), transform=self.eval_transform(), loader=loader)

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
 
-__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors"]
-
-TRAIN_HELP = """usage: ssogvit train [--print-config] [OVERRIDE ...]
-
-Train a model. OVERRIDEs use Hydra syntax against the packaged config (ssogvit/conf):
-  experiment=<name>          a paper experiment (`ssogvit list` shows them)
-  data=digits|cifar100|imagenet|imagefolder|synthetic   model=vit|looped|ode
-  data.root=/path  data.batch_size=64  trainer.max_epochs=10  trainer.devices=8  trainer.strategy=ddp
-  model.size=small  model.mixer=ssog-steered  +model.kwargs.radius=2  loss.jasmin.weight=0.1
-  output_dir=runs/x  resume=auto|null|<path>  seed=42
-Runs write to output_dir (default runs/<name>): config.yaml, checkpoints/, logs/, tb/, export/. A folder belongs
-to one run: a launch into a folder that holds a finished or different run is refused; the unfinished run of the
-same config is resumed from its last epoch-end checkpoint (resume=auto, the default). Paths may hold any character.
-"""
+__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
+           "format_error", "run_config_command"]
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -29,19 +18,49 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import OmegaConfBaseException
 
     from ssogvit.data import DataError
+    from ssogvit.errors import UsageError
 
     from .errors import TrainError
 
-    return TrainError, DataError, HydraException, OmegaConfBaseException
+    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
+
+
+def format_error(prog: str, err: BaseException) -> str:
+    """`prog: <message>`: the first two lines of the error's message on one line.
+
+    An error raised in a data-loading worker arrives as `Caught <Error> in DataLoader worker...` followed by the
+    worker's traceback; its own message is the traceback's last line. A config Hydra cannot find is named with the
+    closest of the options it had.
+    """
+    from hydra.errors import MissingConfigException
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        lines = [lines[-1].split(": ", 1)[-1]]
+    if isinstance(err, MissingConfigException) and err.options:
+        import difflib
+
+        asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]
+        close = difflib.get_close_matches(asked, err.options, n=3, cutoff=0.5)
+        more = ", ..." if len(err.options) > 8 else ""
+        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}{more}"
+        lines = [lines[0].split(" Available options")[0] + ";", f"{hint} (`ssogvit list` shows all)"]
+    return f"{prog}: " + " ".join(lines[:2])
 
 
 def report_errors(prog: str, run) -> int:
-    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error."""
+    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error.
+
+    With `--debug` or `SSOGVIT_DEBUG=1` the error is raised with its traceback instead.
+    """
+    from ssogvit.cli import debug_enabled
+
     try:
         return int(run() or 0)
     except user_errors() as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        print(f"{prog}: " + " ".join(lines[:2]), file=sys.stderr)
+        if debug_enabled():
+            raise
+        print(format_error(prog, err), file=sys.stderr)
         return 2
 
 
@@ -52,42 +71,34 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
-def _print_help_if_asked(argv: list[str], text: str) -> bool:
-    if any(a in ("-h", "--help") for a in argv):
-        print(text)
-        return True
-    return False
-
-
 def train_main(argv: list[str]) -> int:
-    """`ssogvit train [--print-config] overrides...`"""
-    if _print_help_if_asked(argv, TRAIN_HELP):
-        return 0
-    return report_errors("ssogvit train", lambda: _train(argv))
+    """`ssogvit train [-m] [--cfg job] [--help] overrides...`: Hydra's command line (`ssogvit.train.hydra_app`)."""
+    return run_config_command("ssogvit train", argv, _train)
 
 
-def _train(argv: list[str], *, fresh_output: bool = False) -> int:
+def run_config_command(prog: str, argv: list[str], task, *, overrides: list[str] | tuple[str, ...] = (),
+                       config_name: str = "config") -> int:
+    """A command that runs `task(cfg)` on a Hydra config: Hydra's command line, user errors in one or two lines.
+
+    `config_name` is the primary config in `ssogvit/conf` (e.g. `convert`). `--print-config` is kept as the short
+    form of `--cfg job --resolve`.
+    """
+    from .hydra_app import hydra_command
+
+    argv = [a for flag in argv for a in (("--cfg", "job", "--resolve") if flag == "--print-config" else (flag,))]
+    return report_errors(prog, lambda: hydra_command(prog, argv, task, overrides=overrides, config_name=config_name))
+
+
+def _train(cfg, *, fresh_output: bool = False) -> int:
     from pathlib import Path
 
-    from omegaconf import OmegaConf
-
-    from .config import compose
-    from .errors import ConfigError
+    from .components import check_components
+    from .config import check_complete
     from .run import train
     from .run_folder import fresh_folder
 
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f != "--print-config" for f in flags):
-        raise ConfigError(f"unknown option {next(f for f in flags if f != '--print-config')}; options are Hydra "
-                          f"overrides key=value (see `ssogvit train --help`)")
-    overrides = [a for a in argv if a != "--print-config"]
-    bare = [o for o in overrides if "=" not in o]
-    if bare:
-        raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
-    cfg = compose(overrides, allow_unset="--print-config" in argv)  # incomplete paper runs can still be printed
-    if "--print-config" in argv:
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        return 0
+    check_complete(cfg)  # a paper detail the text lacks must be given (IncompleteExperimentError)
+    check_components(cfg)  # a logger's missing package is refused before anything is written
     if fresh_output:
         out = fresh_folder(Path(str(cfg.output_dir)).expanduser())
         if str(out) != str(Path(str(cfg.output_dir)).expanduser()):
@@ -111,8 +122,9 @@ def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
     parser = ArgumentParser(
         prog="ssogvit transfer",
-        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra "
-        "overrides as for `ssogvit train` (e.g. data=cifar100 data.root=... trainer.max_epochs=10).",
+        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
+        "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), "
+        "-m sweeps, --cfg job.",
     )
     parser.add_argument("--ckpt", required=True, help="source .ckpt or .safetensors")
     parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
@@ -126,29 +138,41 @@ def transfer_main(argv: list[str]) -> int:
     # Without an explicit output_dir a transfer picks a fresh folder (runs/<name>, runs/<name>-2, ...); with one, the
     # folder rules of `ssogvit train` apply (resume its unfinished run, refuse a finished or different one).
     fresh = not any(o.split("=", 1)[0].lstrip("+") == "output_dir" for o in overrides)
-    return report_errors("ssogvit transfer", lambda: _train(base + overrides, fresh_output=fresh))
+    return run_config_command("ssogvit transfer", overrides, functools.partial(_train, fresh_output=fresh),
+                              overrides=base)
 
 
-def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: bool = True) -> dict[str, float]:
-    """Top-1/3/5 accuracy (%) and mean cross-entropy of `model` on `dm`'s validation set."""
+def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto") -> dict[str, float]:
+    """Top-1/3/5 accuracy (%) and mean cross-entropy of `model` on `dm`'s validation set.
+
+    `progress`: `bar` (tqdm), `lines` (about ten plain lines, no `\\r` frames), `none`, or `auto` (the bar on a
+    terminal, lines otherwise; `ssogvit.train.progress`).
+    """
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
     from .losses import topk_correct
     from .module import TOPK
+    from .progress import lines_every, resolve_mode
 
+    mode = resolve_mode(progress)
     model = model.to(device).eval()
     totals = {k: 0 for k in TOPK}
     loss_sum, n = 0.0, 0
+    loader = dm.val_dataloader()
+    every = lines_every(len(loader))
     with torch.inference_mode():
-        for x, y in tqdm(dm.val_dataloader(), desc="eval", disable=not progress, leave=False):
+        for i, (x, y) in enumerate(tqdm(loader, desc="eval", disable=mode != "bar", leave=False), 1):
             x, y = x.to(device), y.to(device)
             logits = model(x)
             loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             for k, c in topk_correct(logits, y, TOPK).items():
                 totals[k] += int(c)
             n += len(y)
+            if mode == "lines" and (i % every == 0 or i == len(loader)):
+                print(f"eval: batch {i}/{len(loader)}, {n} images, top-1 so far {100.0 * totals[1] / n:.2f}%",
+                      flush=True)
     out = {f"top{k}": 100.0 * totals[k] / max(n, 1) for k in TOPK}
     out.update(loss=loss_sum / max(n, 1), images=n)
     return out
@@ -167,10 +191,14 @@ def eval_main(argv: list[str]) -> int:
                         help="evaluate at this image size (dynamic resolution)")
     parser.add_argument("--patch-size", type=_positive_int, default=None,
                         help="convert the model to this patch size first")
-    parser.add_argument("--rescale-field", action="store_true", help="with --patch-size: rescale mu, sigma by the grid ratio")
+    parser.add_argument("--rescale-field", action="store_true",
+                        help="with --patch-size and/or --img-size: scale the SSoG centres and widths by the grid ratio "
+                        "(evaluation grid over training grid), so each Gaussian covers the same image area")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of a checkpoint")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
+    parser.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                        help="auto: a bar on a terminal, plain lines otherwise (default)")
     args, overrides = parser.parse_known_args(argv)
     return report_errors("ssogvit eval", lambda: _eval(args, overrides))
 
@@ -190,20 +218,40 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if other:
         raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "
                           f"(data.root=... data.batch_size=...)")
+    if args.rescale_field and not (args.img_size or args.patch_size):
+        raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
     model = load_model(args.ckpt, use_ema=args.ema)
+    trained_grid = tuple(model.grid_size)  # (gh, gw) the model was trained on
     if args.patch_size:
         try:
-            model.set_patch_size(args.patch_size, rescale_field=args.rescale_field)
+            model.set_patch_size(args.patch_size, rescale_field=False)
         except ValueError as err:
             raise ConfigError(f"--patch-size {args.patch_size}: {err}") from None
-    dm = _datamodule_for(args.ckpt, overrides, img_size=args.img_size)
+    data = _data_config_for(args.ckpt, overrides, img_size=args.img_size)
+    size, patch = int(data["img_size"]), _side(model.patch_size)
+    if size % patch:  # refused before any data are read
+        near = sorted({max(patch, size // patch * patch), (size // patch + 1) * patch})
+        raise ConfigError(f"image size {size} is not a multiple of the patch size {patch}; use --img-size "
+                          f"{' or '.join(map(str, near))}, or another --patch-size")
+    if args.rescale_field:
+        from ssogvit.models.transfer import rescale_field
+
+        grid = (size // patch, size // patch)
+        for mixer in model.mixers():
+            rescale_field(mixer, grid[0] / trained_grid[0], grid[1] / trained_grid[1])
+    from ssogvit.data import create_datamodule
+
     try:
-        result = evaluate(model, dm, device=args.device)
-    except (ValueError, RuntimeError) as err:  # the model refuses this input (image size, grid, channels)
+        dm = create_datamodule(data.pop("name"), **data)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
+    try:
+        result = evaluate(model, dm, device=args.device, progress=args.progress)
+    except (ValueError, RuntimeError) as err:  # the model refuses this input (grid, channels)
         raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
-                  patch_size=patch[0] if isinstance(patch, (tuple, list)) else patch)
+                  patch_size=_side(patch), rescale_field=bool(args.rescale_field))
     print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: "
           f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%  "
           f"loss {result['loss']:.4f}  ({result['images']} images)")
@@ -219,13 +267,15 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
-    """The validation data of a checkpoint: its saved data config (run config.yaml or export json) + overrides."""
+def _side(size: Any) -> int:
+    return int(size[0] if isinstance(size, (tuple, list)) else size)
+
+
+def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -> dict[str, Any]:
+    """The data config of a checkpoint: its saved one (run config.yaml or export json) with the overrides."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
-
-    from ssogvit.data import create_datamodule
 
     from .config import PATH_KEYS, compose
     from .errors import ConfigError
@@ -256,10 +306,7 @@ def _datamodule_for(ckpt: str, overrides: list[str], *, img_size: int | None):
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size
-    try:
-        return create_datamodule(data.pop("name"), **data)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
+    return data
 
 
 def _parse_value(text: str) -> Any:

@@ -14,7 +14,7 @@ from .errors import ConfigError
 __all__ = [
     "compose", "quote_override", "list_experiments", "experiment_meta", "experiment_rows", "unset_details",
     "model_config_from", "IncompleteExperimentError", "CONFIG_MODULE", "PATH_KEYS", "check_run_config",
-    "RUN_CONFIG_RULES",
+    "RUN_CONFIG_RULES", "check_complete",
 ]
 
 CONFIG_MODULE = "ssogvit.conf"
@@ -89,13 +89,19 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow
     exp = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment"), None)
     if exp and not any(o.split("=", 1)[0].lstrip("+") == "name" for o in overrides):
         OmegaConf.update(cfg, "name", exp.split("/")[-1], force_add=True)
+    if not allow_unset:
+        check_complete(cfg)
+    return cfg
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Raise `IncompleteExperimentError` if a key of the experiment's `meta.missing` is still null."""
     unset = unset_details(cfg)
-    if unset and not allow_unset:
+    if unset:
         raise IncompleteExperimentError(
             f"{', '.join(unset)} not set: the paper does not give them for experiment {cfg.name!r} (see its "
             f"meta.description); pass them as overrides, e.g. {unset[0]}=<value>"
         )
-    return cfg
 
 
 def list_experiments() -> list[str]:

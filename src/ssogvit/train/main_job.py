@@ -1,7 +1,8 @@
 """`ssogvit main`: train a small SSoG ViT and its MHA twin on the embedded digits data, then compare them.
 
 Both runs are the experiments `digits_vit_ssog` and `digits_vit_mha` (ssogvit/conf/experiment/), identical except
-for the mixer, each written to `<out>/<mixer>/` (checkpoints/, logs/, tb/, export/, config.yaml). `<out>` is always
+for the mixer, each written to `<out>/<mixer>/` (checkpoints/, logs/, tb/, export/, config.yaml); both models'
+training curves are drawn in `<out>/curves.png`. `<out>` is always
 a fresh folder: when `--out` (or the default `runs/main/<date-time>`) already holds a run, `<out>-2`, `<out>-3`, ...
 """
 
@@ -93,6 +94,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, overrides: l
 
     print("\n" + format_table(rows))
     print(f"\ntotal wall time {total:.1f} s ({total / 60:.2f} min)")
+    from .curves import plot_training_curves
+
+    curves = plot_training_curves({r["model"]: r["output_dir"] for r in rows}, out / "curves.png",
+                                  title="SSoG vs its MHA twin on digits")
+    print(f"training curves: {curves}" if curves else "training curves: none drawn (no CSV log; logger without csv)")
     for r in rows:
         print(f"{r['model']}: checkpoints {r['checkpoints']}/ (best.ckpt, last.ckpt), logs {r['logs']}/ (CSV) and "
               f"{r['tensorboard']}/ (tensorboard --logdir {out}), weights {r['export']}")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
 from .errors import ConfigError, TrainError
 from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_model_config
@@ -67,7 +68,6 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
     """The Lightning `Trainer` for a run config, with checkpointing into `output_dir/checkpoints`."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
     ckpt_dir = output_dir / "checkpoints"
@@ -84,17 +84,18 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:07d}", auto_insert_metric_name=False,
                                    monitor="step", mode="max", save_top_k=int(cfg.ckpt.keep),
                                    every_n_train_steps=int(every), enable_version_counter=False))
-    logger: Any = False
-    if loggers:
-        logger = [CSVLogger(str(output_dir), name="logs"), TensorBoardLogger(str(output_dir), name="tb",
-                                                                            default_hp_metric=False)]
+    logger: Any = build_loggers(cfg, output_dir) if loggers else []  # `logger`: csv, tensorboard, wandb, mlflow
+    if logger:
         cbs.append(LearningRateMonitor(logging_interval="step"))
-    cbs += list(callbacks or [])
+    show_bar, progress = progress_callbacks(cfg)  # Lightning's bar on a terminal, else lines (`progress`)
+    cbs += build_callbacks(cfg) + progress + list(callbacks or [])
+    t.pop("logger", None)
+    t["enable_progress_bar"] = show_bar
     accelerator = str(t.pop("accelerator"))
     precision = resolve_precision(t.pop("precision"), accelerator)
     limits = {k: t.pop(k) for k in ("limit_train_batches", "limit_val_batches") if t.get(k) is not None}
     t = {k: v for k, v in t.items() if k not in ("limit_train_batches", "limit_val_batches")}
-    return pl.Trainer(accelerator=accelerator, precision=precision, callbacks=cbs, logger=logger,
+    return pl.Trainer(accelerator=accelerator, precision=precision, callbacks=cbs, logger=logger or False,
                       default_root_dir=str(output_dir), plugins=[atomic_checkpoint_io()], **limits, **t)
 
 
@@ -286,8 +287,10 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"EMA   top-1 {pct('val_ema/top1')}")
     lines += [
         f"checkpoints  {s['checkpoints']}  (last.ckpt, best.ckpt)",
-        f"logs         {s['logs']} (CSV), {s['tensorboard']} (TensorBoard)",
     ]
+    logs = [f"{s[k]} ({kind})" for k, kind in (("logs", "CSV"), ("tensorboard", "TensorBoard")) if Path(s[k]).is_dir()]
+    if logs:  # the `logger` group chooses them
+        lines.append(f"logs         {', '.join(logs)}")
     if s.get("export"):
         lines.append(f"export       {s['export']} (+ .json config)")
     return os.linesep.join(lines)

@@ -31,7 +31,8 @@ __all__ = [
 RUN_FILES = ("config.yaml", "run.json", "checkpoints", "export", "logs", "tb")
 # Keys that may differ between the launches of one run: where things are, not what is computed.
 IGNORED_KEYS = ("resume", "output_dir", "data.root", "data.num_workers", "data.pin_memory",
-                "trainer.enable_progress_bar", "trainer.log_every_n_steps")
+                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.logger", "logger", "progress",
+                "cluster")
 LOCK_NAME, STATE_NAME = ".lock", "run.json"
 
 

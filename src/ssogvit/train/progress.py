@@ -1,0 +1,92 @@
+"""Progress output fit for where it goes: Lightning's bar on a terminal, plain lines in a file or a cluster log.
+
+A progress bar redraws itself with `\\r` frames; written to a file every frame stays (hundreds of bytes a step). So
+`progress.mode: auto` (the default, `ssogvit/conf/config.yaml`) draws the bar only when stdout is a terminal and
+otherwise prints one line per epoch with the epoch's metrics (`progress.every_n_steps`: also every N steps).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+__all__ = ["MODES", "resolve_mode", "LineProgress", "format_metrics", "lines_every"]
+
+MODES = ("auto", "bar", "lines", "none")
+
+
+def resolve_mode(mode: str, *, stream: Any = None) -> str:
+    """`bar`, `lines` or `none` for a configured mode; `auto` is `bar` when `stream` (stdout) is a terminal."""
+    if mode not in MODES:
+        from .errors import ConfigError
+
+        raise ConfigError(f"progress mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    stream = sys.stdout if stream is None else stream
+    return "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """`name value` pairs of the scalar metrics, sorted by name (`val/top1 91.2  val/loss 0.4123`)."""
+    parts = []
+    for key in sorted(metrics):
+        value = metrics[key]
+        value = float(value.item()) if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1 else value
+        if isinstance(value, float) and math.isfinite(value):
+            parts.append(f"{key} {value:.4g}")
+    return "  ".join(parts)
+
+
+def lines_every(total: int) -> int:
+    """How many of `total` items between two progress lines: about ten lines in all."""
+    return max(1, math.ceil(total / 10))
+
+
+class LineProgress(Callback):
+    """One line per training epoch with its metrics (and one every `every_n_steps` steps); never a `\\r` frame.
+
+    Printed by rank 0 only, flushed at once so that a cluster log shows it while the run goes on.
+    """
+
+    def __init__(self, *, every_n_steps: int = 0):
+        self.every_n_steps = int(every_n_steps)
+        self._epoch_start = time.perf_counter()
+        self._last_step = -1  # with gradient accumulation several batches end on one optimizer step
+        self._validated = False  # whether this epoch ran a validation (check_val_every_n_epoch)
+
+    def _print(self, trainer: Any, text: str) -> None:
+        if trainer.is_global_zero:
+            print(text, flush=True)
+
+    def _epoch(self, trainer: Any) -> str:
+        total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else "?"
+        return f"epoch {trainer.current_epoch + 1}/{total}"
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._epoch_start = time.perf_counter()
+        self._validated = False
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._validated = self._validated or not trainer.sanity_checking
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_steps > 0 and step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+            self._last_step = step
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            shown = f"  loss {float(loss):.4g}" if loss is not None else ""
+            self._print(trainer, f"{self._epoch(trainer)}  step {step}  batch {batch_idx + 1}/"
+                                 f"{trainer.num_training_batches}{shown}")
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        logged = trainer.callback_metrics
+        metrics = {k: v for k, v in logged.items()
+                   if not k.endswith("_step") and f"{k}_epoch" not in logged and not k.startswith("lr-")
+                   and (self._validated or not k.startswith("val"))}  # no stale validation metrics
+        self._print(trainer, f"{self._epoch(trainer)}  step {trainer.global_step}  {format_metrics(metrics)}  "
+                             f"({time.perf_counter() - self._epoch_start:.1f} s)")

@@ -1,0 +1,330 @@
+"""The command line as users meet it: each test runs the real entry point (`python -m ssogvit ...`) in a subprocess
+and checks the exit status and the first line of what it says."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+# a seconds-long run: a 2-block width-32 ViT on 64 synthetic 16 px images (two blocks: the class token of one block
+# is a plain mean of the patches, which does not see the SSoG field)
+TINY_MODEL = ["model=vit", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
+              "model.kwargs.depth=2", "model.kwargs.patch_size=4", "model.kwargs.drop_path_rate=0.0",
+              "trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.log_every_n_steps=1",
+              "ckpt.every_n_train_steps=null"]
+TINY = ["data=synthetic", "data.img_size=16", "data.train_size=64", "data.val_size=32", "data.batch_size=16",
+        "data.learnable=true", *TINY_MODEL]
+# the same on the embedded digits, two steps of one epoch
+DIGITS = ["experiment=digits_vit_ssog", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
+          "trainer.limit_val_batches=1", "trainer.accelerator=cpu", "data.num_workers=0"]
+
+
+def ssogvit(*args: str, cwd: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """`python -m ssogvit args...` with this environment (PYTHONPATH reaches it), one torch thread."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    full_env.pop("SSOGVIT_DEBUG", None) if "SSOGVIT_DEBUG" not in env else None
+    res = subprocess.run([sys.executable, "-m", "ssogvit", *args], cwd=cwd, env=full_env, capture_output=True,
+                         timeout=timeout)
+    # decoded by hand: text mode would turn the `\r` of a progress bar into `\n`
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout.decode(errors="replace"),
+                                       res.stderr.decode(errors="replace"))
+
+
+def first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.strip()), "")
+
+
+def assert_user_error(res: subprocess.CompletedProcess, starts: str, *, mid_run: bool = False) -> None:
+    """Exit status 2, a message of at most two lines that starts with `starts`, and no traceback.
+
+    `mid_run`: the error came after Lightning started (which logs to stderr): the message is the last line.
+    """
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    message = lines[-1] if mid_run else first_line(res.stderr)
+    assert message.startswith(starts), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and (mid_run or len(lines) <= 2), res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    res = ssogvit("train", *TINY, f"output_dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+# -- the console script -------------------------------------------------------------------------------------------
+
+def test_version_and_unknown_command():
+    from ssogvit import __version__
+
+    res = ssogvit("--version")
+    assert res.returncode == 0 and first_line(res.stdout) == f"ssogvit {__version__}"
+    res = ssogvit("trian")
+    assert_user_error(res, "ssogvit: unknown command 'trian'")
+
+
+def test_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "ssogvit", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ})
+    proc.stdout.close()  # the reader goes away before the first line is written (as `| head` does, at its pace)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
+
+
+@pytest.mark.parametrize("how", ["--debug", pytest.param("SSOGVIT_DEBUG=1", marks=pytest.mark.slow)])
+def test_debug_flag_and_environment_variable_show_the_traceback(how):
+    # the same mistake without them: one line (test_train_mistakes_end_in_one_or_two_lines)
+    res = ssogvit("train", "experiment=nope", "--debug") if how == "--debug" else \
+        ssogvit("train", "experiment=nope", SSOGVIT_DEBUG="1")
+    assert res.returncode != 0 and "Traceback (most recent call last)" in res.stderr
+    assert "MissingConfigException" in res.stderr
+
+
+# -- Hydra's command line -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, starts", [
+    (["experiment=nope"], "ssogvit train: In 'config': Could not find 'experiment/nope'; options: "),
+    pytest.param(["experiment=cifar100_vit_bse_ssog"],
+     "ssogvit train: In 'config': Could not find 'experiment/cifar100_vit_bse_ssog'; did you mean "
+     "cifar100_vit_base_ssog", marks=pytest.mark.slow),
+    (["data.root=/x"], "ssogvit train: the data cannot be set up from this config: data=digits has no option root "
+                       "(the digits are embedded in scikit-learn"),
+    pytest.param(["data.rot=/x"], "ssogvit train: Could not override 'data.rot'. To append to your config use "
+                                  "+data.rot=/x", marks=pytest.mark.slow),
+    pytest.param(["model.mixer=ssog,mha"], "ssogvit train: Ambiguous value for argument 'model.mixer=ssog,mha'",
+                 marks=pytest.mark.slow),
+    pytest.param(["-m", "model.mixer=ssog,mha", "--cfg", "job"], "ssogvit train: Only one of --run, --multirun, --cfg",
+                 marks=pytest.mark.slow),
+    pytest.param(["+trainer.logger=false"], "ssogvit train: Could not append to config. An item is already at "
+                                            "'trainer.logger'", marks=pytest.mark.slow),
+    pytest.param(["--bogus"], "ssogvit train: unknown option --bogus; options are Hydra's and overrides are key=value",
+                 marks=pytest.mark.slow),
+])
+def test_train_mistakes_end_in_one_or_two_lines(tmp_path, args, starts):
+    res = ssogvit("train", *args, f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_user_error(res, starts)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_help_and_cfg_job():
+    res = ssogvit("train", "--help")
+    assert res.returncode == 0 and first_line(res.stdout).startswith("usage: ssogvit train [-m]")
+    assert "experiment: " in res.stdout and "logger: csv, mlflow, tensorboard, wandb" in res.stdout
+    res = ssogvit("train", "experiment=digits_vit_mha", "--cfg", "job", "--resolve")
+    assert res.returncode == 0
+    cfg = yaml.safe_load(res.stdout)
+    assert first_line(res.stdout) == "name: digits_vit_mha" and cfg["output_dir"] == "runs/digits_vit_mha"
+    assert cfg["model"]["mixer"] == "mha" and "hydra" not in cfg and set(cfg["logger"]) == {"csv", "tensorboard"}
+
+
+def test_multirun_sweep_gives_each_job_its_own_folder_and_keeps_the_folder_rules(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = ssogvit("train", "-m", *TINY, "model.mixer=ssog,mha", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    mixers = {}
+    for job in ("0", "1"):
+        cfg = yaml.safe_load((sweep / job / "config.yaml").read_text())
+        assert cfg["output_dir"] == str(sweep / job)
+        assert json.loads((sweep / job / "run.json").read_text())["status"] == "finished"
+        assert (sweep / job / "export" / "model.safetensors").is_file()
+        mixers[job] = cfg["model"]["mixer"]
+    assert mixers == {"0": "ssog", "1": "mha"}
+    assert not (tmp_path / "runs").exists()  # Hydra wrote nothing outside the sweep folder
+    # a sweep into one folder: the first job's finished run is never overwritten, each job is refused in one line
+    res = ssogvit("train", "-m", *TINY, "model.mixer=ssog,mha", f"output_dir={sweep / '0'}",
+                  f"hydra.sweep.dir={tmp_path / 'again'}", cwd=tmp_path)
+    assert_user_error(res, "ssogvit train: 2 job(s) of the sweep failed", mid_run=True)  # after Lightning's lines
+    assert f"job #0, #1: {sweep / '0'} holds a finished run" in res.stderr
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_each_job_in_its_own_process(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = ssogvit("train", "-m", "hydra/launcher=submitit_local", *DIGITS, "model.mixer=ssog,mha",
+                  f"hydra.sweep.dir={sweep}", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for job, mixer in (("0", "ssog"), ("1", "mha")):
+        assert json.loads((sweep / job / "run.json").read_text())["status"] == "finished"
+        assert yaml.safe_load((sweep / job / "config.yaml").read_text())["model"]["mixer"] == mixer
+    logs = sorted(p.name for p in (sweep / ".submitit").glob("*/*_log.out"))
+    assert len(logs) == 2  # one submitit job (a local process) per sweep point
+
+
+def test_submitit_slurm_launcher_asks_for_what_the_config_needs():
+    res = ssogvit("train", "hydra/launcher=submitit_slurm", "experiment=cifar100_vit_base_ssog", "trainer.num_nodes=2",
+                  "cluster.gpus_per_node=4", "cluster.timeout_min=600", "cluster.partition=gpu", "--cfg", "all",
+                  "--resolve")
+    assert res.returncode == 0 and res.stderr == "", res.stderr[-3000:]
+    launcher = yaml.safe_load(res.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher["nodes"], launcher["gpus_per_node"], launcher["tasks_per_node"]) == (2, 4, 4)
+    assert (launcher["timeout_min"], launcher["partition"], launcher["name"]) == (600, "gpu", "cifar100_vit_base_ssog")
+
+
+# -- loggers, callbacks, progress ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("package", ["wandb", pytest.param("mlflow", marks=pytest.mark.slow)])
+def test_a_logger_whose_package_is_missing_is_named_before_anything_is_written(tmp_path, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    res = ssogvit("train", *TINY, f"logger=[csv,{package}]", f"output_dir={tmp_path / 'run'}")
+    assert_user_error(res, f"ssogvit train: logger={package} needs a package that is not installed: "
+                           f"Requirement '{package}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_loggers_callbacks_and_plain_progress_lines(tmp_path):
+    out = tmp_path / "run"
+    res = ssogvit("train", *TINY, "trainer.max_epochs=2", "logger=[csv]", "callbacks=[early_stopping]",
+                  "progress.every_n_steps=2", "trainer.check_val_every_n_epoch=2", f"output_dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "logs").is_dir() and not (out / "tb").exists()
+    assert yaml.safe_load((out / "config.yaml").read_text())["callbacks"]["early_stopping"]["monitor"] == "val/top1"
+    lines = [line for line in res.stdout.splitlines() if line.startswith("epoch ")]
+    # 4 steps an epoch: a line at steps 2 and 4, then the epoch's line, twice
+    assert [" ".join(line.split()[:4]) for line in lines] == [
+        "epoch 1/2 step 2", "epoch 1/2 step 4", "epoch 1/2 step 4", "epoch 2/2 step 6", "epoch 2/2 step 8",
+        "epoch 2/2 step 8"]
+    assert lines[0].startswith("epoch 1/2  step 2  batch 2/4  loss ")
+    assert "train/top1 " in lines[2] and "val/" not in lines[2]  # no validation in epoch 1: none shown
+    assert "val/top1 " in lines[5] and "val/top1" not in lines[3]
+    assert "\r" not in res.stdout + res.stderr  # no terminal: no progress-bar frames
+
+
+@pytest.mark.slow
+def test_no_logger_at_all_and_a_forced_bar(tmp_path):
+    # the bar forced on even without a terminal draws its frames (the check above can fail)
+    res = ssogvit("train", *TINY, "trainer.logger=false", "progress.mode=bar", f"output_dir={tmp_path / 'bare'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "bare" / "logs").exists() and not (tmp_path / "bare" / "tb").exists()
+    assert "\r" in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_main_prints_where_it_drew_the_curves(tmp_path):
+    res = ssogvit("main", "--out", str(tmp_path / "main"), "--epochs", "1", "--mixers", "ssog",
+                  "trainer.limit_train_batches=2", "trainer.limit_val_batches=1")
+    assert res.returncode == 1, res.stderr[-3000:]  # two steps do not reach 90%
+    assert f"training curves: {tmp_path / 'main' / 'curves.png'}" in res.stdout
+    assert (tmp_path / "main" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- eval ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, starts", [
+    (["--img-size", "18"],
+     "ssogvit eval: image size 18 is not a multiple of the patch size 4; use --img-size 16 or 20"),
+    pytest.param(["--bogus", "1"], "ssogvit eval: unknown argument '--bogus'", marks=pytest.mark.slow),
+    pytest.param(["--patch-size", "3"], "ssogvit eval: image size 16 is not a multiple of the patch size 3",
+                 marks=pytest.mark.slow),
+    pytest.param(["--rescale-field"], "ssogvit eval: --rescale-field rescales the field to another grid",
+                 marks=pytest.mark.slow),
+    pytest.param(["--img-size", "0"], "ssogvit eval: argument --img-size: expected a positive integer, got 0",
+                 marks=pytest.mark.slow),
+    pytest.param(["model.depth=2"], "ssogvit eval: unknown argument 'model.depth=2'", marks=pytest.mark.slow),
+])
+def test_eval_mistakes_end_in_one_or_two_lines(tiny_run, args, starts):
+    assert_user_error(ssogvit("eval", "--ckpt", str(tiny_run / "checkpoints" / "best.ckpt"), *args), starts)
+
+
+def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
+    results = {}
+    for rescale in ([], ["--rescale-field"]):
+        out = tmp_path / f"eval{len(rescale)}.json"
+        res = ssogvit("eval", "--ckpt", str(tiny_run / "export" / "model.safetensors"), "--img-size", "32",
+                      "--device", "cpu", "--json", str(out), *rescale)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert first_line(res.stdout).startswith("eval: batch 1/1, 32 images, top-1 so far")
+        assert "\r" not in res.stdout + res.stderr
+        results[bool(rescale)] = json.loads(out.read_text())
+    assert results[True]["rescale_field"] and not results[False]["rescale_field"]
+    assert results[True]["img_size"] == results[False]["img_size"] == 32
+    assert results[True]["loss"] != results[False]["loss"]  # the field was rescaled (grid 4x4 -> 8x8)
+
+
+# -- data mistakes ------------------------------------------------------------------------------------------------
+
+def _image_folder(root: Path, *, classes: int = 2, per_class: int = 4) -> None:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (16, 16), (40 * c, 10 * i, 0)).save(folder / f"{i}.png")
+
+
+@pytest.mark.slow
+def test_an_image_folder_class_without_images_is_refused_before_anything_is_written(tmp_path):
+    _image_folder(tmp_path / "data")
+    for p in (tmp_path / "data" / "val" / "class1").iterdir():
+        p.unlink()
+    res = ssogvit("train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+                  "data.img_size=16", *TINY_MODEL, f"output_dir={tmp_path / 'run'}")
+    assert_user_error(res, f"ssogvit train: class folder {tmp_path / 'data' / 'val' / 'class1'} holds no image")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_corrupt_image_mid_epoch_is_named_in_one_line(tmp_path):
+    _image_folder(tmp_path / "data", per_class=16)
+    bad = tmp_path / "data" / "train" / "class1" / "3.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    res = ssogvit("train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+                  "data.img_size=16", "data.num_workers=1", "data.batch_size=4", *TINY_MODEL,
+                  f"output_dir={tmp_path / 'run'}")
+    assert_user_error(res, f"ssogvit train: cannot read image {bad} (UnidentifiedImageError", mid_run=True)
+    assert "DataLoader worker" not in res.stderr  # read by a worker process, reported as the worker saw it
+
+
+# -- bench --------------------------------------------------------------------------------------------------------
+
+def _results(path: Path, *, cpu: str = "test cpu", ms: float = 1.0) -> Path:
+    from ssogvit.bench.runner import write_results
+
+    rows = [dict(kind="operator", label=label, res=res, tokens=1 + (res // 16) ** 2, batch=8, mode="infer",
+                 dtype="fp32", device="cpu", threads=1, status="ok", time_ms_mean=ms * (2 if label == "mha" else 1),
+                 time_ms_median=ms, peak_mib=10.0, gflops_per_image=1.0, images_per_s=8000.0 / ms)
+            for label in ("mha", "ssog") for res in (32, 64)]
+    write_results(rows, {"cpu": cpu, "torch": "2.x", "command": "test"}, path.parent, path.stem)
+    return path
+
+
+def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
+    (tmp_path / "flops.json").write_text(json.dumps([{"model": "vit-tiny-ssog", "res": 32, "gflops": 0.05}]))
+    a, b = _results(tmp_path / "a.json", ms=1.0), _results(tmp_path / "b.json", ms=3.0)
+    assert_user_error(ssogvit("bench", "report", str(a), str(tmp_path / "flops.json"), "--no-plots"),
+                      f"ssogvit bench: {tmp_path / 'flops.json'} is not a results file of `ssogvit bench models`")
+    res = ssogvit("bench", "report", str(a), str(b), "--no-plots", "--name", "merged")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rule = next(line for line in res.stdout.splitlines() if "measured in several files" in line)
+    assert rule.startswith("# 4 point(s) measured in several files; a point measured in several files is taken "
+                           "from the file given last on the command line (mha res=32 batch=8: a.json, b.json -> b.json")
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert sorted(r["time_ms_median"] for r in merged["rows"]) == [3.0] * 4  # every point from b.json
+    assert merged["meta"]["points_in_several_files"] == 4
+
+
+@pytest.mark.slow
+def test_bench_report_refuses_results_of_another_machine(tmp_path):
+    a, other = _results(tmp_path / "a.json"), _results(tmp_path / "other.json", cpu="another cpu")
+    assert_user_error(ssogvit("bench", "report", str(a), str(other), "--no-plots"),
+                      f"ssogvit bench: {other} was measured with cpu 'another cpu' and {a} with 'test cpu'")
+
+
+def test_bench_flops_check_reports_each_point_as_it_goes():
+    res = ssogvit("bench", "flops", "--families", "vit", "--sizes", "tiny", "--mixers", "ssog", "--res", "32", "48",
+                  "--check")
+    assert res.returncode == 0, res.stderr[-3000:]
+    progress = [line for line in res.stderr.splitlines() if line.startswith("[")]
+    assert progress[0].startswith("[1/2] vit-tiny-ssog res=32: analytic ") and "counted" in progress[0]
+    assert progress[1].startswith("[2/2] vit-tiny-ssog res=48: analytic ")
