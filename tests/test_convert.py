@@ -312,3 +312,22 @@ def test_looped_and_ode_teachers_convert_to_their_own_family(family):
     assert not torch.equal(start["blocks.0.attn.mu"], student.state_dict()["blocks.0.attn.mu"])
     with pytest.raises(ValueError, match="progressive replacement needs a discrete ViT"):
         ConversionModule(student, teacher, recipe={}, distill={"recipe": "progressive"})
+
+
+def test_convert_takes_hydra_forms_and_paths_with_equals_signs(teacher_file, tmp_path):
+    odd = tmp_path / "a=b,c"
+    odd.mkdir()
+    teacher = odd / "model.safetensors"
+    teacher.write_bytes(teacher_file.read_bytes())
+    (odd / "model.json").write_bytes(teacher_file.with_suffix(".json").read_bytes())
+    shown = _cli("--teacher", str(teacher), "--cfg", "job", "--resolve", "convert.recipe=logits", *TINY)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert f"teacher: {teacher}" in shown.stdout and "recipe: logits" in shown.stdout
+    out = tmp_path / "sweep"
+    swept = _cli("--teacher", str(teacher), "-m", "convert.recipe=logits,blocks", *TINY,
+                 f"hydra.sweep.dir={out}")
+    assert swept.returncode == 0, swept.stderr[-3000:]
+    assert len(list(out.rglob("export/model.safetensors"))) == 2  # one run folder per job
+    bad = _cli("--teacher", str(teacher), "convert.recipe=fast", *TINY, "output_dir=" + str(tmp_path / "x"))
+    assert bad.returncode == 2 and "unknown conversion recipe 'fast'" in bad.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in bad.stderr

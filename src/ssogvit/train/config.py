@@ -18,7 +18,8 @@ __all__ = [
 ]
 
 CONFIG_MODULE = "ssogvit.conf"
-PATH_KEYS = ("resume", "output_dir", "data.root", "transfer.ckpt")  # values taken literally, whatever characters
+# values taken literally, whatever characters they hold
+PATH_KEYS = ("resume", "output_dir", "data.root", "transfer.ckpt", "convert.teacher", "convert.calib")
 
 
 def _hydra_quoted(value: str) -> str:
