@@ -1,5 +1,5 @@
 """The analysis tools report what the paper's claims need: Lipschitz bound vs estimate, effective atoms, sinks,
-steering statistics (SPEC section 7)."""
+steering statistics (docs/analysis.md)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_bound_is_attained_by_a_sharp_centred_field():
 
 def test_prefix_tokens_raise_the_bound_and_the_estimate_by_sqrt_1_plus_p_over_n():
     # The pooled prefix outputs are extra outputs: for an identity-like field ||M_h|| = sqrt(1 + P/N), so a bound
-    # that ignored them would be exceeded. (SPEC section 7 says prefix pooling adds nothing; it adds P/N.)
+    # that ignored them would be exceeded (docs/analysis.md, lipschitz).
     m = create_mixer("ssog", 4, 1, num_atoms=1, sigma_min=0.05, tau_min=0.05)
     with torch.no_grad():
         m.mu.zero_()

@@ -1,4 +1,4 @@
-"""The three model families (SPEC section 6) and the paper's claims about them (SPEC section 9, issue 3)."""
+"""The three model families (docs/models.md) and the paper's claims about them."""
 
 import pytest
 import timm
@@ -115,7 +115,7 @@ def test_config_rebuilds_the_model(name, kwargs):
     assert twin.config == model.config
 
 
-# -- parameter counts (SPEC section 9) ----------------------------------------------------------------------------
+# -- parameter counts (docs/models.md) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("size, timm_arch", [("small", "vit_small_patch16_224"), ("base", "vit_base_patch16_224")])
@@ -140,7 +140,7 @@ def test_discrete_mha_computes_what_timm_vit_computes(mixer):
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-12)
 
 
-# (name, paper's count in millions, SPEC section 9 / Tables 10, 12): within 0.5%
+# (name, paper's count in millions, docs/models.md / the paper's Tables 10, 12): within 0.5%
 PAPER_COUNTS = [
     ("vit-small-mha", 21.69),
     ("vit-medium-mha", 48.47),
@@ -304,7 +304,7 @@ FIELD_NAMES = ("mu", "rho", "ell", "theta", "alpha_mu", "alpha_sigma", "alpha_la
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mixer", ["ssog", "ssog-steered"])
 def test_with_ssog_the_class_token_never_sees_registers_nor_the_last_field(family, mixer):
-    # SPEC section 4: patches never read prefix tokens, and a prefix token's mixer output is the mean of the patch
+    # docs/operator.md: patches never read prefix tokens, and a prefix token's mixer output is the mean of the patch
     # values. So under a class-token loss the register tokens get exactly zero gradient, and so does the last discrete
     # block's field (it only moves patch outputs); with MHA they do get one. A shared block (looped, ode) is trained
     # through its earlier applications.
@@ -450,7 +450,7 @@ def test_set_patch_size_leaves_the_field_alone_unless_asked():
 
 @pytest.mark.parametrize("mixer", ["ssog", "ssog-steered"])
 def test_global_pool_avg_trains_the_last_ssog_field(mixer):
-    # With the class-token head the last discrete block's SSoG field gets exactly zero gradient (SPEC section 4, see
+    # With the class-token head the last discrete block's SSoG field gets exactly zero gradient (docs/operator.md, see
     # above); the patch-mean head reads the patch outputs, so every parameter of that mixer is trained.
     grads = {}
     for pool in ("token", "avg"):

@@ -1,4 +1,4 @@
-"""The SSoG operator against its dense float64 reference, and the paper's claims about it (SPEC sections 2-4)."""
+"""The SSoG operator against its dense float64 reference, and the paper's claims about it (docs/operator.md)."""
 
 import copy
 

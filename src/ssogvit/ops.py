@@ -1,4 +1,4 @@
-"""Functional core of SSoG: Gaussian axis kernels and the separable mixing they define (SPEC sections 2-4).
+"""Functional core of SSoG: Gaussian axis kernels and the separable mixing they define (docs/operator.md).
 
 Everything here is a function of plain tensors. Shapes use these letters:
 
@@ -103,7 +103,7 @@ def functional_only() -> bool:
 
 def _flush_tiny(k: Tensor) -> Tensor:
     # Softmax tails far below the smallest normal number are denormals; a matmul that meets them runs several times
-    # slower on x86 CPUs. Their contribution is below rounding, so they are set to exactly zero (PERF-NOTES 1).
+    # slower on x86 CPUs. Their contribution is below rounding, so they are set to exactly zero (docs/benchmarks.md).
     tiny = torch.finfo(k.dtype).tiny
     if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
         return k.masked_fill(k < tiny, 0.0)
@@ -168,7 +168,7 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
 
 
 def prefix_pool(values: Tensor, num_prefix: int) -> Tensor:
-    """Mixer output of the prefix tokens: the mean of the patch values, once per prefix token (SPEC section 4).
+    """Mixer output of the prefix tokens: the mean of the patch values, once per prefix token (docs/operator.md).
 
     Args:
         values: patch values ``(B, N, D)``.
@@ -409,7 +409,7 @@ def ssog_mix_steered(
     head_chunk: int | None = None,
     inplace: bool = False,
 ) -> Tensor:
-    """Separable mixing with per-token geometry (SPEC section 3).
+    """Separable mixing with per-token geometry (docs/operator.md).
 
     Column pass ``U_r[iy, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k]`` (steered by the token at ``(iy, k)``),
     row pass ``Y[iy, ix] = sum_r lam_(iy,ix)[r] sum_k K^x(g_(iy,ix))[r, ix, k] U_r[iy, k]`` (steered by the query).

@@ -2,7 +2,7 @@
 
 Slow (``O(N^2)`` memory) and deliberately written apart from ``ssogvit.ops``: kernels come from an explicit
 ``exp`` / normalise, and the matrix from the definition entry by entry (Kronecker products for the fixed field, the
-steered form of SPEC section 3 otherwise). Every fast path is tested against it in float64; the analysis tools use it
+steered form of docs/operator.md otherwise). Every fast path is tested against it in float64; the analysis tools use it
 to draw fields and measure sinks.
 """
 
@@ -54,7 +54,7 @@ def dense_fixed_matrix(mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, grid
 def dense_steered_matrix(
     mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, grid: tuple[int, int]
 ) -> Tensor:
-    """Patch-to-patch matrix of steered SSoG (SPEC section 3):
+    """Patch-to-patch matrix of steered SSoG (docs/operator.md):
     ``A[(iy,ix), (jy,k)] = sum_r lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] K^y(g_(iy,k))[r, iy, jy]``.
 
     Args:
@@ -87,7 +87,7 @@ def dense_steered_matrix(
 
 def with_prefix(a: Tensor, num_prefix: int) -> Tensor:
     """Extend a patch matrix ``(..., N, N)`` to all ``P + N`` tokens: prefix rows are the uniform mean over patches,
-    patch rows give prefix columns no mass (SPEC section 4)."""
+    patch rows give prefix columns no mass (docs/operator.md)."""
     n = a.shape[-1]
     p = num_prefix
     full = a.new_zeros(*a.shape[:-2], p + n, p + n)

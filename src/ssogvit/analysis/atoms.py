@@ -1,4 +1,4 @@
-"""Effective number of atoms: how many Gaussians a head really uses (SPEC section 7)."""
+"""Effective number of atoms: how many Gaussians a head really uses (docs/analysis.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lipschitz constants of SSoG mixers: the bound of Proposition 1 and an empirical estimate (SPEC section 7).
+"""Lipschitz constants of SSoG mixers: the bound of Proposition 1 and an empirical estimate (docs/analysis.md).
 
 A fixed-SSoG mixer is the affine map `x -> W_O (M_h (x W_V)_h)_h`, where per head `M_h` is the dense
 `(P + N) x (P + N)` token-mixing matrix: patch rows are `A_h = sum_r lambda_r kron(K^y_r, K^x_r)`, prefix rows the
@@ -30,7 +30,7 @@ _CLAMP = 1e100  # keeps float64 arithmetic finite for any finite parameter; far 
 
 
 def axis_kernels(mu: Tensor, sigma: Tensor, tau: Tensor, length: int) -> Tensor:
-    """Axis kernels of SPEC section 2 in float64: `K[h, r, i, j] = softmax_j(-(j - i - mu)^2 / (2 sigma^2 tau))`.
+    """Axis kernels of docs/operator.md in float64: `K[h, r, i, j] = softmax_j(-(j - i - mu)^2 / (2 sigma^2 tau))`.
 
     The `mu^2` term is constant in `j` and dropped before the softmax, so extreme centres and widths stay finite.
 

@@ -1,4 +1,4 @@
-"""Attention-sink metrics (paper Table 5, SPEC section 7) as functions of attention maps and tokens.
+"""Attention-sink metrics (paper Table 5, docs/analysis.md) as functions of attention maps and tokens.
 
 Every metric reads dense, row-stochastic mixing matrices `(B, H, T, T)` (one per mixer application, prefix tokens
 first), so SSoG and MHA are measured the same way. Per-image statistics are computed batch by batch

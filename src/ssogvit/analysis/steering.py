@@ -1,5 +1,5 @@
-"""Steering statistics of content-steered SSoG (SPEC sections 3 and 7): gate values, how far the centres move, and
-the effective steering radius."""
+"""Steering statistics of content-steered SSoG (docs/operator.md, docs/analysis.md): gate values, how far the centres
+move, and the effective steering radius."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Patch-size and resolution transfer without retraining (paper Table 13, SPEC section 7).
+"""Patch-size and resolution transfer without retraining (paper Table 13, docs/analysis.md).
 
 A model trained at patch `p` on `S`-pixel images is evaluated at other patch sizes (patch embedding resized by the
 FlexiViT pseudo-inverse, position embedding bicubically: `model.set_patch_size`) and at other image sizes (position

@@ -1,4 +1,4 @@
-"""Efficiency benchmarks (SPEC section 8): analytic FLOPs, per-point subprocess sweeps, power-law fits, plots.
+"""Efficiency benchmarks (docs/benchmarks.md): analytic FLOPs, per-point subprocess sweeps, power-law fits, plots.
 
 ``count_flops(model, img_size)`` is the analytic forward FLOP count per image; ``flops_breakdown`` splits it (its
 ``"mixer"`` entry is attention alone). ``run_sweep`` runs benchmark points each in its own process. The command line

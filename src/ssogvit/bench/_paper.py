@@ -1,4 +1,4 @@
-"""The paper's efficiency numbers (SPEC section 9), to print beside ours."""
+"""The paper's efficiency numbers (docs/benchmarks.md), to print beside ours."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ssogvit bench models|operator|flops``: the efficiency benchmarks of SPEC section 8, as a command line."""
+"""``ssogvit bench models|operator|flops``: the efficiency benchmarks of docs/benchmarks.md, as a command line."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="ssogvit bench", description="Efficiency benchmarks (SPEC section 8).")
+    ap = ArgumentParser(prog="ssogvit bench", description="Efficiency benchmarks (docs/benchmarks.md).")
     sub = ap.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("models", help="throughput and peak memory of whole models over resolutions and batches")

@@ -1,4 +1,4 @@
-"""Forward FLOPs per image, counted analytically from a model's structure (SPEC section 8, paper Table 4).
+"""Forward FLOPs per image, counted analytically from a model's structure (docs/benchmarks.md, paper Table 4).
 
 Convention (2 FLOPs per multiply-add; the one that reproduces the paper's Table 4 to within 0.5% at 224..768, see
 ``docs/benchmarks.md``). With ``T = P + N`` tokens (``P`` prefix tokens: class, registers; ``N = Gh * Gw`` patches),
@@ -6,7 +6,7 @@ width ``D``, ``H`` heads, ``R`` atoms, the multiply-adds are:
 
 - patch embedding: ``N * D * C * p^2`` (a conv with stride = kernel = ``p``);
 - every linear layer inside a block (QKV, output projection, MLP) acts on all ``T`` tokens, except SSoG's value
-  projection, which needs the ``N`` patch tokens only (prefix outputs are means of patch values, SPEC section 4);
+  projection, which needs the ``N`` patch tokens only (prefix outputs are means of patch values, docs/operator.md);
 - attention core: ``T^2 * D`` for the scores and ``T^2 * D`` for ``A V`` (the class token attends and is attended);
 - SSoG core: ``R * D * N * (Gh + Gw)`` (per atom, one pass down the columns and one across the rows, over the
   patch grid only) plus ``P * N * D`` for the prefix aggregates (the mean of the patch values);
@@ -94,7 +94,7 @@ def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int 
     if _is_ssog(mixer):
         atoms = int(mixer.mu.shape[1])
         dim = mixer.v.out_features
-        # prefix outputs are the mean of the patch values (SPEC section 4): values are needed for patches only
+        # prefix outputs are the mean of the patch values (docs/operator.md): values are needed for patches only
         proj = _linear_macs(mixer.v, n) + _linear_macs(mixer.proj, t)
         core = atoms * dim * n * (gh + gw) + num_prefix_tokens * n * dim
         for name in ("mu_steer", "sigma_steer", "lambda_steer"):

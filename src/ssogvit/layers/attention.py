@@ -1,4 +1,4 @@
-"""``Attention``: the multi-head self-attention baseline (SPEC section 5), with the same call as ``SSoGAttention``."""
+"""``Attention``: the multi-head self-attention baseline (docs/operator.md), with the same call as ``SSoGAttention``."""
 
 from __future__ import annotations
 

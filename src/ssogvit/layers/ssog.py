@@ -1,4 +1,4 @@
-"""``SSoGAttention``: the SSoG token mixer as a drop-in replacement for multi-head attention (SPEC sections 2-4, 10)."""
+"""``SSoGAttention``: the SSoG token mixer as a drop-in replacement for multi-head attention (docs/operator.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The three model families of SPEC section 6 (discrete ViT, looped ViT, continuous ODE-ViT), built by name."""
+"""The three model families of docs/models.md (discrete ViT, looped ViT, continuous ODE-ViT), built by name."""
 
 from ._common import GLOBAL_POOLS, SIZES, Block, CenterNorm, GridContext, VisionTransformerBase
 from .looped import Loop, LoopedViT

@@ -1,4 +1,4 @@
-"""Pieces every model family shares (SPEC section 6): patch embedding, class / register tokens, absolute position
+"""Pieces every model family shares (docs/models.md): patch embedding, class / register tokens, absolute position
 embedding, the pre-norm block, the final norm and the linear head.
 
 Every family is timm's ``VisionTransformer`` and differs only in its ``blocks`` (how the block is applied); the mixer
@@ -395,7 +395,7 @@ class VisionTransformerBase(TimmVisionTransformer):
     # -- transfer --------------------------------------------------------------------------------------------------
 
     def set_patch_size(self, patch_size: int, rescale_field: bool = False) -> None:
-        """Convert the model to another patch size in place, without retraining (SPEC section 7).
+        """Convert the model to another patch size in place, without retraining (docs/models.md).
 
         The patch-embedding kernel is resized with the FlexiViT pseudo-inverse, the position embedding bicubically to
         the new grid at ``img_size``; with ``rescale_field`` the SSoG centres ``mu``, widths ``sigma`` and the

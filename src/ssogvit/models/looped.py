@@ -1,4 +1,4 @@
-"""Looped ViT (bViT, Byra et al. 2026; SPEC section 6): one block applied ``T`` times with shared weights."""
+"""Looped ViT (bViT, Byra et al. 2026; docs/models.md): one block applied ``T`` times with shared weights."""
 
 from __future__ import annotations
 

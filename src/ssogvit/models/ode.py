@@ -1,4 +1,4 @@
-"""Continuous-depth ODE-ViT (Boned Riera et al. 2025; SPEC section 6).
+"""Continuous-depth ODE-ViT (Boned Riera et al. 2025; docs/models.md).
 
 Tokens evolve under the autonomous field ``dz/dt = f(z) = s * (Mixer(N1(z)) + MLP(N2(z)))`` over ``t in [0, 1]``,
 integrated with ``torchdiffeq``. The default, explicit Euler on a uniform grid of ``NFE + 1`` points with ``s = NFE``,

@@ -1,4 +1,4 @@
-"""Patch-size and resolution transfer (SPEC section 7, paper Table 13).
+"""Patch-size and resolution transfer (docs/analysis.md, paper Table 13).
 
 - patch-embedding kernels are resized with the FlexiViT pseudo-inverse (timm's ``resample_patch_embed``): for an
   upsampling resize ``R`` of a patch, ``<R x, w_new> = <x, w>`` exactly;

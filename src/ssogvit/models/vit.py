@@ -1,4 +1,4 @@
-"""Discrete ViT (SPEC section 6): ``L`` pre-norm blocks with independent weights; timm's ViT with another mixer.
+"""Discrete ViT (docs/models.md): ``L`` pre-norm blocks with independent weights; timm's ViT with another mixer.
 
 With the ``"mha"`` mixer this is timm's ViT (``vit_small_patch16_224``, ``vit_base_patch16_224``, ...): same modules,
 same parameter names and counts, so a timm state dict loads unchanged.
