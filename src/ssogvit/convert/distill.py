@@ -169,23 +169,17 @@ class ConversionModule(pl.LightningModule):
 
     def configure_optimizers(self):
         from timm.optim import create_optimizer_v2
-        from timm.scheduler import CosineLRScheduler
 
-        optim, sched = dict(self.recipe["optim"]), dict(self.recipe["sched"])
-        global_batch = int(self.recipe["batch_size"]) * self.trainer.world_size * self.trainer.accumulate_grad_batches
-        lr = float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
+        from ssogvit.train.module import scaled_lr, step_cosine_schedule
+
+        optim = dict(self.recipe["optim"])
+        lr = scaled_lr(optim, int(self.recipe["batch_size"]), self.trainer)
         optimizer = create_optimizer_v2(
             self._param_groups(lr, float(optim["weight_decay"])), opt=optim.get("opt", "adamw"), lr=lr,
             weight_decay=0.0, betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)),
         )
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        warmup = round(float(sched.get("warmup_epochs", 0)) * total / epochs)
-        scheduler = CosineLRScheduler(
-            optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
-            warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        schedule = step_cosine_schedule(optimizer, self.trainer, self.recipe["sched"])
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         scheduler.step_update(num_updates=self.global_step)

@@ -20,7 +20,7 @@ from .errors import NonFiniteError
 from .losses import attention_penalty, jasmin_options, topk_correct
 from .resume import rng_state, set_rng_state
 
-__all__ = ["ClassificationModule", "build_model", "count_parameters", "TOPK"]
+__all__ = ["ClassificationModule", "build_model", "count_parameters", "scaled_lr", "step_cosine_schedule", "TOPK"]
 
 TOPK = (1, 3, 5)
 
@@ -37,6 +37,30 @@ def build_model(model_config: Mapping[str, Any]) -> nn.Module:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def scaled_lr(optim: Mapping[str, Any], batch_size: int, trainer: Any) -> float:
+    """``optim.lr`` scaled by the global batch (per-device batch x devices x accumulation) over ``optim.lr_base_batch``
+    (DeiT's linear rule); unscaled when ``lr_base_batch`` is not set."""
+    accumulate = trainer.accumulate_grad_batches if trainer else 1
+    world = trainer.world_size if trainer else 1
+    global_batch = int(batch_size) * world * accumulate
+    return float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
+
+
+def step_cosine_schedule(optimizer: torch.optim.Optimizer, trainer: Any, sched: Mapping[str, Any]) -> dict[str, Any]:
+    """timm's cosine schedule over the run's optimizer steps, with ``sched.warmup_epochs`` of linear warm-up, as the
+    ``lr_scheduler`` entry of ``configure_optimizers`` (stepped per optimizer step by ``lr_scheduler_step``)."""
+    from timm.scheduler import CosineLRScheduler
+
+    total = max(int(trainer.estimated_stepping_batches), 1)
+    epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
+    warmup = int(round(float(sched.get("warmup_epochs", 0)) * total / epochs))
+    scheduler = CosineLRScheduler(
+        optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
+        warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,
+    )
+    return {"scheduler": scheduler, "interval": "step"}
 
 
 class ClassificationModule(pl.LightningModule):
@@ -180,26 +204,16 @@ class ClassificationModule(pl.LightningModule):
     # optimisation -------------------------------------------------------------------------------------------------
     def configure_optimizers(self):
         from timm.optim import create_optimizer_v2
-        from timm.scheduler import CosineLRScheduler
 
-        optim, sched = dict(self.recipe["optim"]), dict(self.recipe["sched"])
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer else 1
-        world = self.trainer.world_size if self.trainer else 1
-        global_batch = int(self.recipe["batch_size"]) * world * accumulate
-        lr = float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
+        optim = dict(self.recipe["optim"])
+        lr = scaled_lr(optim, int(self.recipe["batch_size"]), self.trainer)
         # timm: AdamW; the model's no_weight_decay() set, 1-D params (norms, biases) get no weight decay
         optimizer = create_optimizer_v2(
             self.model, opt=optim.get("opt", "adamw"), lr=lr, weight_decay=float(optim["weight_decay"]),
             betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)), filter_bias_and_bn=True,
         )
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        warmup = int(round(float(sched.get("warmup_epochs", 0)) * total / epochs))
-        scheduler = CosineLRScheduler(
-            optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
-            warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        schedule = step_cosine_schedule(optimizer, self.trainer, self.recipe["sched"])
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         scheduler.step_update(num_updates=self.global_step)
