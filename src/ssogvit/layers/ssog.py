@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssogvit import ops, reference
+from ssogvit.backends.torch import default_head_chunk
 
 __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS"]
 
@@ -191,23 +192,16 @@ class SSoGAttention(nn.Module):
         """
         b, n, _ = x_patches.shape
         h, r = self.num_heads, self.num_atoms
-        gates = self.gates()
-        mu = self.mu.expand(b, n, h, r, 2)
-        sigma = self.sigma().expand(b, n, h, r, 2)
-        logits = self.ell.expand(b, n, h, r)
         # the enabled steering maps run as one matmul over their stacked weights
         maps = [getattr(self, f"{p}_steer") for p in self.steer]
         weight = torch.cat([m.weight for m in maps]) if len(maps) > 1 else maps[0].weight
         bias = torch.cat([m.bias for m in maps]) if len(maps) > 1 else maps[0].bias
-        steer = torch.tanh(F.linear(x_patches, weight, bias)).split([m.out_features for m in maps], dim=-1)
-        steer = dict(zip(self.steer, steer))
-        if "mu" in steer:
-            mu = mu + gates["mu"] * self.radius * steer["mu"].reshape(b, n, h, r, 2)
-        if "sigma" in steer:
-            sigma = sigma * torch.exp(gates["sigma"] * steer["sigma"].reshape(b, n, h, r, 2))
-        if "lambda" in steer:
-            logits = logits + gates["lambda"] * steer["lambda"].reshape(b, n, h, r)
-        return mu, sigma, torch.softmax(logits, dim=-1)
+        raw = F.linear(x_patches, weight, bias).split([m.out_features for m in maps], dim=-1)
+        residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(self.steer, raw)}
+        return ops.steered_geometry(
+            self.mu.expand(b, n, h, r, 2), self.sigma().expand(b, n, h, r, 2), self.ell.expand(b, n, h, r), residuals,
+            self.gates(), self.radius,
+        )
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -223,7 +217,9 @@ class SSoGAttention(nn.Module):
                 ``P + Gh*Gw`` is then an error, never a reinterpretation of patches as prefix tokens.
         """
         if x.ndim != 3:
-            raise ValueError(f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}")
+            raise ValueError(
+                f"SSoGAttention expects x of shape (B, P + Gh*Gw, D), got a {x.ndim}-D tensor {tuple(x.shape)}"
+            )
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is None:
@@ -237,7 +233,7 @@ class SSoGAttention(nn.Module):
         inplace = not (torch.is_grad_enabled() and values.requires_grad) and not ops.functional_only()
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])
-            chunk = self.head_chunk or ops.default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
+            chunk = self.head_chunk or default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
             mixed = ops.ssog_mix_steered(
                 values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk, inplace=inplace
             )

@@ -1,4 +1,5 @@
-"""Triton kernel of the fixed-SSoG contraction. Imported lazily by ``triton_ssog`` (this module imports Triton).
+"""Triton kernel of the fixed-SSoG contraction. Imported lazily by ``ssogvit.backends.triton`` (this module
+imports Triton).
 
 One program computes one output grid row ``iy`` of one (batch, head) for a block of ``BD`` head channels:
 
@@ -7,8 +8,9 @@ One program computes one output grid row ``iy`` of one (batch, head) for a block
 
 ``Kyl = lambda * K^y`` (the mixture weights are applied as the kernel rows are read). The y-pass visits only the source
 rows ``[lo, hi)`` where some atom's weighted kernel row is nonzero, found by the program itself (the softmax tails are
-exact zeros after ``ops._flush_tiny`` or a cast to half precision), which skips exact-zero terms only. The kernels are
-read through strides, so the same kernel on transposed views is the gradient with respect to the values.
+exact zeros after the denormal flush of docs/operator.md, "Denormals", or a cast to half precision), which skips
+exact-zero terms only. The kernels are read through strides, so the same kernel on transposed views is the gradient
+with respect to the values.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ssog import tf32_enabled
+from .triton import tf32_enabled
 
 __all__ = ["launch_mix", "fits", "shared_bytes", "OVERRIDE"]
 
@@ -72,7 +74,7 @@ def _ssog_mix_kernel(
     mask_d = offs_d < DH
 
     # lambda-weighted kernel row iy of every atom; its nonzero span [lo, hi) bounds the y-pass (softmax tails are
-    # exact zeros after ops._flush_tiny or a cast to half precision: only exact-zero terms are skipped)
+    # exact zeros after flush_tiny or a cast to half precision: only exact-zero terms are skipped)
     lam = tl.load(lam_ptr + h * R + offs_r, mask=mask_r, other=0.0).to(ACC)  # (R_P,)
     k_rows = ky_ptr + h * s_yh + offs_r * s_yr + iy * s_yi  # (R_P,) pointers
     offs_j = tl.arange(0, GH_P)

@@ -1,12 +1,12 @@
-"""Fused fixed-SSoG mixing in Triton (forward and backward), behind ``ops.ssog_mix(..., impl="triton")``.
+"""The Triton backend: fused fixed-SSoG mixing (forward and backward), behind ``ops.ssog_mix(..., impl="triton")``.
 
 Triton is imported on first use only; ``import ssogvit`` never needs it. The kernel runs on CUDA tensors, or on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before first use; the tests do this).
 
 What is fused: the whole contraction of the patch values (y-pass, x-pass, atom sum, mixture weights) in one kernel,
 and the same kernel on the transposed kernels for the gradient with respect to the values. Not fused: the prefix
-rows (the mean of the patch values, in torch), and the gradients with respect to the axis kernels (batched matmuls
-in torch, one head at a time, as in ``ops._StackedMix``).
+rows and the gradients with respect to the axis kernels, computed in torch by the helpers the torch backend uses
+(``backends._common``; docs/operator.md, "Backends").
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import warnings
 
 import torch
 from torch import Tensor
+
+from ._common import add_prefix_grad, head_grads, write_prefix_pool
+from .torch import mix_fixed
 
 __all__ = [
     "ssog_mix_triton", "triton_available", "triton_usable", "triton_import_error", "tf32_enabled", "auto_picks_triton",
@@ -29,7 +32,7 @@ def _kernels():
     """The lazily imported kernel module, or ``None`` when Triton cannot be imported (reason in ``_STATE``)."""
     if "mod" not in _STATE:
         try:
-            from ssogvit.kernels import _triton_kernels as mod
+            from ssogvit.backends import _triton_kernels as mod
         except Exception as exc:  # ImportError, or a broken installation failing in its own way
             _STATE["mod"] = None
             _STATE["error"] = f"{type(exc).__name__}: {exc}"
@@ -76,8 +79,6 @@ def _probe(device: torch.device) -> bool:
     key = ("probe", device.type, device.index)
     if key not in _STATE:
         try:
-            from ssogvit import ops
-
             g = torch.Generator(device="cpu").manual_seed(0)
             values = torch.randn(1, 1 + 12, 16, generator=g).to(device)
             ky = torch.softmax(torch.randn(1, 2, 3, 3, generator=g), -1).to(device)
@@ -85,7 +86,8 @@ def _probe(device: torch.device) -> bool:
             lam = torch.softmax(torch.randn(1, 2, generator=g), -1).to(device)
             with torch.no_grad():
                 got = _TritonMix.apply(values, ky, kx, lam, 3, 4)
-                want = ops.ssog_mix(values, (3, 4), ky, kx, lam, impl="einsum")
+                want = mix_fixed(values, (3, 4), ky, kx, lam, impl="einsum", inplace=False, head_chunk=None,
+                                 grad_needed=False)
             err = float((got - want).abs().max())
             if not err < 1e-3:
                 raise RuntimeError(f"probe result differs from the torch path by {err:.3g}")
@@ -173,10 +175,8 @@ class _TritonMix(torch.autograd.Function):
         b, t, d = values.shape
         p = t - gh * gw
         out = values.new_empty(b, t, d)
-        patches = values[:, p:]
-        if p:
-            out[:, :p] = patches.mean(dim=1, keepdim=True)
-        _launch(patches, ky, kx.to(values.dtype), lam, out[:, p:], (gh, gw))
+        write_prefix_pool(out, values, p)
+        _launch(values[:, p:], ky, kx.to(values.dtype), lam, out[:, p:], (gh, gw))
         ctx.save_for_backward(values, ky, kx, lam)
         ctx.grid = (gh, gw)
         return out
@@ -202,8 +202,7 @@ class _TritonMix(torch.autograd.Function):
                 g_values[:, :p] = 0
             kx_t = kx.to(values.dtype).transpose(-1, -2)
             _launch(gp, ky.transpose(-1, -2), kx_t, lam, g_values[:, p:], (gh, gw))
-            if p:
-                g_values[:, p:] += grad[:, :p].sum(dim=1, keepdim=True) / (gh * gw)
+            add_prefix_grad(g_values, grad, p)
         if need_ky or need_kx or need_lam:
             kdt = torch.float64 if values.dtype == torch.float64 else torch.float32
             ky_k, lam_k = ky.to(kdt), lam.to(kdt)
@@ -217,38 +216,28 @@ class _TritonMix(torch.autograd.Function):
 
 
 def _kernel_grads(v: Tensor, g: Tensor, kyl: Tensor, kx: Tensor, grid, need_kyl: bool, need_kx: bool):
-    """Gradients of ``sum(g * mix(v))`` with respect to ``kyl (H, R, Gh, Gh)`` and ``kx (H, R, Gw, Gw)``.
-
-    Per head ``hh``: ``U[b, jy, r, ix, d] = sum_jx kx[r, ix, jx] v[b, jy, jx, d]``;
-    ``dkyl[r, iy, jy] = sum_(b, ix, d) g[b, iy, ix, d] U[b, jy, r, ix, d]``;
-    ``dkx[r, ix, jx] = sum_(b, jy, d) (sum_iy kyl[r, iy, jy] g[b, iy, ix, d]) v[b, jy, jx, d]``.
-    """
+    """Gradients of ``sum(g * mix(v))`` with respect to ``kyl (H, R, Gh, Gh)`` and ``kx (H, R, Gw, Gw)``, one head at
+    a time by ``head_grads`` (in ``v``'s dtype; half-precision kernels get float32 gradients, cast back at the end)."""
     gh, gw = grid
     b, n, d = v.shape
     h, r = kyl.shape[:2]
     dh = d // h
     vp = v.reshape(b, gh, gw, h, dh)
     gp = g.reshape(b, gh, gw, h, dh)
-    kx_c = kx.to(v.dtype)
-    kyl_c = kyl.to(v.dtype)
+    kx_stack = kx.to(v.dtype).reshape(h, r * gw, gw)
+    ky_fold = kyl.to(v.dtype).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # columns (jy, r), as the torch backend's
     g_kyl = torch.zeros_like(kyl) if need_kyl else None
     g_kx = torch.zeros(kx.shape, dtype=torch.float32 if kx.dtype in (torch.float16, torch.bfloat16) else kx.dtype,
                        device=kx.device) if need_kx else None
     for hh in range(h):
-        v_h = vp[:, :, :, hh].reshape(b * gh, gw, dh)
-        g_h = gp[:, :, :, hh].reshape(b, gh, gw * dh)
+        g_ky_h, g_kx_h, _ = head_grads(
+            vp[:, :, :, hh].reshape(b * gh, gw, dh), gp[:, :, :, hh].reshape(b, gh, gw * dh), kx_stack[hh],
+            ky_fold[hh], need_ky=need_kyl, need_kx=need_kx, need_v=False, acc_dtype=kyl.dtype,
+        )
         if need_kyl:
-            u = torch.matmul(kx_c[hh].reshape(r * gw, gw), v_h).view(b, gh * r, gw * dh)  # rows (jy, r)
-            prod = torch.matmul(g_h, u.transpose(1, 2))  # (B, Gh[iy], Gh*R[(jy, r)])
-            g_kyl[hh] = prod.sum(0, dtype=g_kyl.dtype).view(gh, gh, r).permute(2, 0, 1)
-            del u, prod
+            g_kyl[hh] = g_ky_h.view(gh, gh, r).permute(2, 0, 1)
         if need_kx:
-            m = kyl_c[hh].permute(2, 0, 1).reshape(gh * r, gh)  # [(jy, r), iy] = kyl[r, iy, jy]
-            g_u = torch.matmul(m, g_h).view(b * gh, r * gw, dh)  # layout (b, jy, r, ix, d)
-            lhs = g_u.permute(1, 0, 2).reshape(r * gw, b * gh * dh)
-            rhs = v_h.transpose(1, 2).reshape(b * gh * dh, gw)
-            g_kx[hh] = torch.matmul(lhs, rhs).view(r, gw, gw).to(g_kx.dtype)
-            del g_u, lhs, rhs
+            g_kx[hh] = g_kx_h.view(r, gw, gw).to(g_kx.dtype)
     if need_kx:
         g_kx = g_kx.to(kx.dtype)
     return g_kyl, g_kx

@@ -1,0 +1,104 @@
+"""What both backends share: the trace/export test, the denormal flush, the prefix term and the kernel gradients.
+
+docs/operator.md states the maths ("Prefix tokens", "Denormals", "Backward"); shapes use its letters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "functional_only", "flush_tiny", "flush_tiny_product", "prefix_pool", "write_prefix_pool", "add_prefix_grad",
+    "head_grads",
+]
+
+
+def functional_only() -> bool:
+    """Under ``torch.jit.trace`` or ``torch.export`` (the dynamo ONNX exporter included): the inference shortcuts that
+    write into buffers (in-place ops, slice writes into views of a preallocated output) are not taken there, because
+    an exported graph need not keep their aliasing (the TorchScript-based ONNX export of SSoG gave logits off by up to
+    6 with them; docs/models.md). ``torch.compile`` alone functionalises mutations itself and keeps the fast paths."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
+
+
+def flush_tiny(k: Tensor) -> Tensor:
+    """Kernel entries below the dtype's smallest normal number set to exactly zero (docs/operator.md, "Denormals");
+    in place in inference (no second table-sized allocation)."""
+    tiny = torch.finfo(k.dtype).tiny
+    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
+        return k.masked_fill(k < tiny, 0.0)
+    return k.masked_fill_(k < tiny, 0.0)
+
+
+def flush_tiny_product(k: Tensor) -> Tensor:
+    """``flush_tiny`` for a fresh product of (non-negative) kernels and mixture weights: lambda < 1 can push a normal
+    tail entry below the smallest normal number again. The gradient passes through unchanged (the flushed values are
+    below 1e-38, the gradient at them is not), so the result's gradients match the unflushed product's exactly."""
+    tiny = torch.finfo(k.dtype).tiny
+    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
+        return k - k.masked_fill(k >= tiny, 0.0).detach()
+    return k.masked_fill_(k < tiny, 0.0)
+
+
+def prefix_pool(patches: Tensor, num_prefix: int) -> Tensor:
+    """Mixer output of the prefix tokens: the mean of the patch values ``(B, N, D)``, once per prefix token, as a
+    ``(B, P, D)`` view (docs/operator.md, "Prefix tokens")."""
+    return patches.mean(dim=1, keepdim=True).expand(-1, num_prefix, -1)
+
+
+def write_prefix_pool(out: Tensor, values: Tensor, num_prefix: int) -> None:
+    """``out[:, :P] = prefix_pool(values[:, P:], P)``: the prefix rows of a preallocated output ``(B, P + N, D)``,
+    written before any patch row of ``out`` (which may be ``values`` itself) is overwritten."""
+    if num_prefix:
+        out[:, :num_prefix] = prefix_pool(values[:, num_prefix:], num_prefix)
+
+
+def add_prefix_grad(g_values: Tensor, grad: Tensor, num_prefix: int) -> None:
+    """Backward of ``prefix_pool``, added into the patch rows of ``g_values (B, P + N, D)``: every patch receives the
+    sum of the prefix rows of ``grad (B, P + N, D)`` divided by ``N``. Prefix values get no gradient from it."""
+    if num_prefix:
+        n = g_values.shape[1] - num_prefix
+        g_values[:, num_prefix:] += grad[:, :num_prefix].sum(dim=1, keepdim=True) / n
+
+
+def head_grads(
+    v_h: Tensor,
+    g_y: Tensor,
+    kx_h: Tensor,
+    ky_fold_h: Tensor,
+    *,
+    need_ky: bool,
+    need_kx: bool,
+    need_v: bool,
+    acc_dtype: torch.dtype | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of one head of the fixed mixing ``Y = Kyl_fold U``, ``U = Kx_stack V`` (docs/operator.md, "Backward"),
+    the x-pass ``U`` recomputed rather than saved.
+
+    Args:
+        v_h: the head's patch values ``(B*Gh, Gw, dh)``, rows ``(b, jy)``.
+        g_y: ``dL/dY`` ``(B, Gh, Gw*dh)``.
+        kx_h: x-kernels of all atoms stacked ``(R*Gw, Gw)``, rows ``(r, ix)``.
+        ky_fold_h: y-kernels with lambda folded in ``(Gh, Gh*R)``, columns ``(jy, r)``.
+        need_ky, need_kx, need_v: which gradients to compute.
+        acc_dtype: dtype of the batch sum of the y-kernels' gradient (``None``: the inputs').
+
+    Returns:
+        ``(dL/dKyl_fold (Gh, Gh*R), dL/dKx_stack (R*Gw, Gw), dL/dV (B*Gh, Gw, dh))``, ``None`` where not needed.
+    """
+    b, gh, gwdh = g_y.shape
+    rgw, gw = kx_h.shape
+    dh = v_h.shape[-1]
+    g_ky = g_kx = g_v = None
+    if need_ky:
+        u = torch.matmul(kx_h, v_h).view(b, -1, gwdh)  # recomputed x-pass (B, Gh*R, Gw*dh), rows (jy, r)
+        g_ky = torch.matmul(g_y, u.transpose(1, 2)).sum(0, dtype=acc_dtype)
+        del u
+    if need_kx or need_v:
+        g_u = torch.matmul(ky_fold_h.t(), g_y).view(b * gh, rgw, dh)  # dL/dU, layout (b, jy, r, ix, d)
+        if need_kx:
+            g_kx = torch.matmul(g_u.transpose(0, 1).reshape(rgw, b * gh * dh), v_h.transpose(1, 2).reshape(-1, gw))
+        if need_v:
+            g_v = torch.matmul(kx_h.t(), g_u)
+    return g_ky, g_kx, g_v
