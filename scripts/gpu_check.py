@@ -110,7 +110,7 @@ NAMES = ["out", "d_values", "d_ky", "d_kx", "d_lam"]
 
 
 def exact_case(rec: Recorder, device, i, case, dtypes) -> bool:
-    from ssogvit.kernels import _triton_kernels as tk
+    from ssogvit.backends import _triton_kernels as tk
 
     grid, p, dh, h, r = case
     prob = problem(grid, p, b=2, h=h, r=r, dh=dh, device=device, seed=i)
@@ -142,7 +142,7 @@ def exact_case(rec: Recorder, device, i, case, dtypes) -> bool:
 def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
                     dtypes=(torch.float64, torch.float32, torch.float16, torch.bfloat16)) -> bool:
     from ssogvit import ops
-    from ssogvit.kernels import triton_ssog
+    from ssogvit.backends import triton as triton_backend
 
     set_tf32(False)
     torch.backends.cudnn.allow_tf32 = False
@@ -155,8 +155,8 @@ def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
 
     def dispatch():  # what "auto" picks on CUDA, per dtype and TF32 setting
         calls = []
-        orig = triton_ssog._TritonMix.apply
-        triton_ssog._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
+        orig = triton_backend._TritonMix.apply
+        triton_backend._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
         v, ky, kx, lam, _ = problem((4, 5), 1, b=1, h=2, r=2, dh=16, device=device, seed=0)
         picks = {}
         try:
@@ -167,7 +167,7 @@ def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
                 ops.ssog_mix(v.to(dt), (4, 5), ky.to(dt), kx.to(dt), lam.to(dt), impl="auto")
                 picks[f"{str(dt)[6:]}{'+tf32' if tf32 else ''}"] = bool(calls)
         finally:
-            triton_ssog._TritonMix.apply = orig
+            triton_backend._TritonMix.apply = orig
             set_tf32(False)
         expected = {"float16": True, "bfloat16": True, "float32": False, "float32+tf32": True, "float64": False}
         print(f"impl='auto' on CUDA takes the Triton path: {picks} (expected {expected})", flush=True)
@@ -176,8 +176,8 @@ def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
 
     def wide():  # a grid too wide for the kernel's shared memory (4096 px at patch 16): "auto" falls back
         v = torch.zeros(1, 4 * 256, 64, device=device, dtype=torch.float16)
-        usable = triton_ssog.triton_usable(v, (4, 256), 4)
-        kib = triton_ssog._kernels().shared_bytes(256, 4, 64, torch.float16) // 1024
+        usable = triton_backend.triton_usable(v, (4, 256), 4)
+        kib = triton_backend._kernels().shared_bytes(256, 4, 64, torch.float16) // 1024
         print(f"grid width 256, 4 atoms, fp16: triton usable = {usable} (expected False: {kib} KiB of shared memory)")
         rec(section="shared-memory", usable=usable, kib=kib, ok=not usable)
         return not usable
@@ -353,7 +353,7 @@ def bench_resolution(add, device, res, batch, warmup, iters):
 def sweep(rec: Recorder, device, resolutions, batch, warmup, iters):
     """Forward time of the Triton core in fp16 for each launch configuration (channels per program, warps)."""
     from ssogvit import ops
-    from ssogvit.kernels import _triton_kernels as tk
+    from ssogvit.backends import _triton_kernels as tk
     from ssogvit.layers import SSoGAttention
 
     d, h, r, patch = 768, 12, 4, 16

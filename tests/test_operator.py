@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ssogvit import ops, reference
+from ssogvit.backends import torch as torch_backend
 from ssogvit.layers import STEER_PATHS, SSoGAttention, create_mixer
 
 GRIDS = [(1, 7), (5, 7), (14, 14)]
@@ -347,9 +348,9 @@ def test_inplace_mixing_refuses_values_that_autograd_needs():
 
 
 def test_default_mix_head_chunk_batches_heads_only_for_small_problems():
-    assert ops.default_mix_head_chunk(196, 12, 4) == 2  # ViT-B at 224, batch 1
-    assert ops.default_mix_head_chunk(ops.SMALL_MIX_TOKENS + 1, 12, 4) == 1
-    assert ops.default_mix_head_chunk(100, 3, 4) == 1  # fewer heads than atoms + 2
+    assert torch_backend.default_mix_head_chunk(196, 12, 4) == 2  # ViT-B at 224, batch 1
+    assert torch_backend.default_mix_head_chunk(torch_backend.SMALL_MIX_TOKENS + 1, 12, 4) == 1
+    assert torch_backend.default_mix_head_chunk(100, 3, 4) == 1  # fewer heads than atoms + 2
 
 
 def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(monkeypatch):
@@ -393,7 +394,7 @@ def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(mo
 @pytest.mark.parametrize("grid,heads,atoms,dim", [((14, 14), 12, 4, 768), ((64, 64), 12, 4, 768), ((2, 2), 192, 1, 768),
                                                   ((5, 7), 3, 3, 12)])
 def test_default_steered_head_chunk_keeps_temporaries_within_a_third_of_the_activation(grid, heads, atoms, dim):
-    chunk = ops.default_head_chunk(grid, heads, atoms, dim)
+    chunk = torch_backend.default_head_chunk(grid, heads, atoms, dim)
     assert 1 <= chunk <= heads
     per_head = atoms * sum(grid) + 2 * atoms * (dim // heads)
     assert chunk == 1 or chunk * per_head <= dim / 3

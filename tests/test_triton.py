@@ -48,15 +48,15 @@ import torch
 torch.set_num_threads(1)
 import ssogvit
 from ssogvit import ops
-from ssogvit.kernels import triton_ssog
+from ssogvit.backends import triton as triton_backend
 from ssogvit.layers import SSoGAttention
 
 def without_triton():
-    triton_ssog._STATE.clear()
+    triton_backend._STATE.clear()
     m = SSoGAttention(8, 2, num_atoms=2)  # impl="auto"
     y = m(torch.randn(1, 1 + 6, 8), grid=(2, 3))
-    res = {"auto_ok": tuple(y.shape) == (1, 7, 8), "available": triton_ssog.triton_available(),
-           "reason": triton_ssog.triton_import_error(), "error": None}
+    res = {"auto_ok": tuple(y.shape) == (1, 7, 8), "available": triton_backend.triton_available(),
+           "reason": triton_backend.triton_import_error(), "error": None}
     try:
         ops.ssog_mix(torch.randn(1, 6, 8), (2, 3), torch.rand(2, 2, 2, 2), torch.rand(2, 2, 3, 3),
                      torch.rand(2, 2), impl="triton")
@@ -79,7 +79,7 @@ def jit(*args, **kwargs):
 triton.jit = jit
 out["broken"] = without_triton()
 triton.jit = real_jit
-triton_ssog._STATE.clear()
+triton_backend._STATE.clear()
 
 # -- under the interpreter -----------------------------------------------------------------------------------------
 CASES, = json.loads(sys.argv[1]),
@@ -151,14 +151,14 @@ out["module"] = {"max_rel": max(rel(a, b) for a, b in zip(res["triton"], res["st
 
 # "auto" on a CPU tensor never takes the Triton path, even under the interpreter
 calls = []
-orig = triton_ssog._TritonMix.apply
-triton_ssog._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
+orig = triton_backend._TritonMix.apply
+triton_backend._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
 v, ky, kx, lam, w = problem((3, 4), 1, seed=5)
 ops.ssog_mix(v, (3, 4), ky, kx, lam, impl="auto")
 auto_calls = len(calls)
 ops.ssog_mix(v, (3, 4), ky, kx, lam, impl="triton")
 out["dispatch"] = {"auto_cpu_calls": auto_calls, "triton_calls": len(calls) - auto_calls}
-triton_ssog._TritonMix.apply = orig
+triton_backend._TritonMix.apply = orig
 
 # double backward through the kernel raises (its values' gradient is written by the kernel, outside autograd)
 # (a gradient penalty: d/dw of |dL/dvalues|^2 with L = sum(w * mix(values)); only the prefix term of dL/dvalues
@@ -175,17 +175,17 @@ except RuntimeError as e:
 # the probe: passes on a working kernel, and a kernel that fails or computes a wrong result costs a warning and the
 # torch path, once per device
 import warnings
-probe = {"ok": triton_ssog._probe(torch.device("cpu"))}
-mod = triton_ssog._kernels()
+probe = {"ok": triton_backend._probe(torch.device("cpu"))}
+mod = triton_backend._kernels()
 real_launch = mod.launch_mix
 for name, planted in (("raises", lambda *a: (_ for _ in ()).throw(RuntimeError("ptxas: unsupported"))),
                       ("wrong", lambda src, ky, kx, lam, dst, grid: dst.zero_())):
-    triton_ssog._STATE.pop(("probe", "cpu", None))
+    triton_backend._STATE.pop(("probe", "cpu", None))
     mod.launch_mix = planted
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        probe[name] = triton_ssog._probe(torch.device("cpu"))
-        probe[name + "_again"] = triton_ssog._probe(torch.device("cpu"))  # cached: no second warning
+        probe[name] = triton_backend._probe(torch.device("cpu"))
+        probe[name + "_again"] = triton_backend._probe(torch.device("cpu"))  # cached: no second warning
     probe[name + "_warnings"] = [str(c.message) for c in caught]
 mod.launch_mix = real_launch
 out["probe"] = probe
@@ -308,7 +308,7 @@ def test_a_kernel_that_fails_its_probe_falls_back_with_one_warning(interp_result
 def test_tf32_is_read_from_the_new_setting_first(setting, expected):
     import torch
 
-    from ssogvit.kernels.triton_ssog import tf32_enabled
+    from ssogvit.backends.triton import tf32_enabled
 
     matmul = torch.backends.cuda.matmul
     before = (matmul.fp32_precision, torch.backends.fp32_precision)
@@ -329,7 +329,7 @@ def test_tf32_is_read_from_the_new_setting_first(setting, expected):
 def test_auto_keeps_float64_and_float32_without_tf32_off_the_kernel(monkeypatch):
     import torch
 
-    from ssogvit.kernels import triton_ssog
+    from ssogvit.backends import triton as triton_backend
 
     class FakeCuda:  # auto_picks_triton's dtype rule, on a stand-in for a CUDA tensor
         is_cuda = True
@@ -337,14 +337,14 @@ def test_auto_keeps_float64_and_float32_without_tf32_off_the_kernel(monkeypatch)
         def __init__(self, dtype):
             self.dtype = dtype
 
-    monkeypatch.setattr(triton_ssog, "triton_usable", lambda t, grid, atoms: True)
-    monkeypatch.setattr(triton_ssog, "tf32_enabled", lambda: False)
-    picks = {dt: triton_ssog.auto_picks_triton(FakeCuda(dt), (14, 14), 4)
+    monkeypatch.setattr(triton_backend, "triton_usable", lambda t, grid, atoms: True)
+    monkeypatch.setattr(triton_backend, "tf32_enabled", lambda: False)
+    picks = {dt: triton_backend.auto_picks_triton(FakeCuda(dt), (14, 14), 4)
              for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
     assert picks == {torch.float64: False, torch.float32: False, torch.float16: True, torch.bfloat16: True}
-    monkeypatch.setattr(triton_ssog, "tf32_enabled", lambda: True)
-    assert triton_ssog.auto_picks_triton(FakeCuda(torch.float32), (14, 14), 4)
-    assert not triton_ssog.auto_picks_triton(torch.zeros(1), (14, 14), 4)
+    monkeypatch.setattr(triton_backend, "tf32_enabled", lambda: True)
+    assert triton_backend.auto_picks_triton(FakeCuda(torch.float32), (14, 14), 4)
+    assert not triton_backend.auto_picks_triton(torch.zeros(1), (14, 14), 4)
 
 
 @pytest.mark.parametrize("mode", ["missing", "broken"])
@@ -373,7 +373,7 @@ def test_kernel_compiles_for_a_hopper_gpu():
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
     import torch
 
-    from ssogvit.kernels import _triton_kernels as tk
+    from ssogvit.backends import _triton_kernels as tk
 
     fn = tk._ssog_mix_kernel
     names = fn.arg_names

@@ -32,6 +32,7 @@ __all__ = [
     "prefix_pool",
     "check_grid",
     "position_dtype",
+    "steer_gate",
     "steered_geometry",
     "functional_only",
 ]
@@ -90,7 +91,7 @@ def position_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def field_sigma(rho: Tensor, sigma_min: float, eps_sigma: float) -> Tensor:
-    """Width ``sigma = sigma_min + softplus(rho) + eps_sigma``, in grid cells."""
+    """Width ``sigma = sigma_min + softplus(rho) + eps_sigma``, in grid cells (docs/operator.md, "Parameterisation")."""
     return sigma_min + F.softplus(rho) + eps_sigma
 
 
@@ -99,8 +100,13 @@ def field_tau(theta: Tensor, tau_min: float) -> Tensor:
     return tau_min + F.softplus(theta)
 
 
+def steer_gate(alpha: Tensor) -> Tensor:
+    """Steering gate ``s = softplus(alpha) + 1e-4`` (docs/operator.md, "Steering geometry")."""
+    return F.softplus(alpha) + 1e-4
+
+
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
-    """Row-softmax Gaussian kernels along one grid axis.
+    """Row-softmax Gaussian kernels along one grid axis (docs/operator.md, "Axis kernels").
 
     ``K[..., i, j] = softmax_j( -(j - i - mu)^2 / (2 sigma^2 tau) )`` over the ``length`` positions inside the grid.
 
@@ -202,7 +208,8 @@ def ssog_mix(
     inplace: bool = False,
     head_chunk: int | None = None,
 ) -> Tensor:
-    """Separable fixed-SSoG mixing of all tokens: prefix tokens get the mean patch value, patches
+    """Separable fixed-SSoG mixing of all tokens (docs/operator.md, "Fixed mixing"): prefix tokens get the mean patch
+    value, patches
 
     ``Y_h[iy, ix] = sum_r lam[h, r] sum_{jy, jx} ky[h, r, iy, jy] kx[h, r, ix, jx] V_h[jy, jx]``.
 
@@ -257,7 +264,7 @@ def ssog_mix_steered(
     head_chunk: int | None = None,
     inplace: bool = False,
 ) -> Tensor:
-    """Separable mixing with per-token geometry (docs/operator.md).
+    """Separable mixing with per-token geometry (docs/operator.md, "Steered mixing").
 
     Column pass ``U_r[iy, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k]`` (steered by the token at ``(iy, k)``),
     row pass ``Y[iy, ix] = sum_r lam_(iy,ix)[r] sum_k K^x(g_(iy,ix))[r, ix, k] U_r[iy, k]`` (steered by the query).

@@ -20,7 +20,7 @@ def _normalise_rows(logits: Tensor) -> Tensor:
 
 
 def dense_axis_kernel(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
-    """``K[..., i, j] proportional to exp(-(j - i - mu)^2 / (2 sigma^2 tau))``, rows normalised; shape ``S + (L, L)``."""
+    """``K[..., i, j]`` proportional to ``exp(-(j - i - mu)^2 / (2 sigma^2 tau))``, rows normalised; ``S + (L, L)``."""
     i = torch.arange(length, dtype=mu.dtype, device=mu.device).view(length, 1)
     j = torch.arange(length, dtype=mu.dtype, device=mu.device).view(1, length)
     mu, sigma, tau = (t[..., None, None] for t in torch.broadcast_tensors(mu, sigma, tau))
@@ -54,7 +54,7 @@ def dense_fixed_matrix(mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, grid
 def dense_steered_matrix(
     mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, grid: tuple[int, int]
 ) -> Tensor:
-    """Patch-to-patch matrix of steered SSoG (docs/operator.md):
+    """Patch-to-patch matrix of steered SSoG (docs/operator.md, "Steered mixing"):
     ``A[(iy,ix), (jy,k)] = sum_r lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] K^y(g_(iy,k))[r, iy, jy]``.
 
     Args:
@@ -87,7 +87,7 @@ def dense_steered_matrix(
 
 def with_prefix(a: Tensor, num_prefix: int) -> Tensor:
     """Extend a patch matrix ``(..., N, N)`` to all ``P + N`` tokens: prefix rows are the uniform mean over patches,
-    patch rows give prefix columns no mass (docs/operator.md)."""
+    patch rows give prefix columns no mass (docs/operator.md, "Prefix tokens")."""
     n = a.shape[-1]
     p = num_prefix
     full = a.new_zeros(*a.shape[:-2], p + n, p + n)

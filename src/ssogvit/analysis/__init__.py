@@ -7,7 +7,6 @@ from .atoms import atoms_report, effective_atoms, plot_atoms
 from .cli import ANALYSES, analyze
 from .fields import atom_geometry, plot_fields, plot_query_fields, query_field_maps
 from .lipschitz import (
-    axis_kernels,
     head_norm_bounds,
     jacobian_spectral_norm,
     lipschitz_bound,
@@ -36,7 +35,7 @@ __all__ = [
     "ANALYSES", "analyze",
     "effective_atoms", "atoms_report", "plot_atoms",
     "atom_geometry", "plot_fields", "query_field_maps", "plot_query_fields",
-    "axis_kernels", "head_norm_bounds", "lipschitz_bound", "lipschitz_estimate", "jacobian_spectral_norm",
+    "head_norm_bounds", "lipschitz_bound", "lipschitz_estimate", "jacobian_spectral_norm",
     "local_lipschitz_growth", "lipschitz_report", "plot_lipschitz",
     "sink_score", "rollout", "most_attended_key", "same_key_share", "cls_mass", "high_norm_share",
     "per_image_sink_stats", "summarize_sink_stats", "sink_metrics", "sink_report", "plot_sinks",

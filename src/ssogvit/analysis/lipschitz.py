@@ -24,32 +24,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ssogvit import ops
+
 from ._common import is_ssog, is_steered, mixer_grid, mixer_rows
-
-_CLAMP = 1e100  # keeps float64 arithmetic finite for any finite parameter; far beyond any kernel change
-
-
-def axis_kernels(mu: Tensor, sigma: Tensor, tau: Tensor, length: int) -> Tensor:
-    """Axis kernels of docs/operator.md in float64: `K[h, r, i, j] = softmax_j(-(j - i - mu)^2 / (2 sigma^2 tau))`.
-
-    The `mu^2` term is constant in `j` and dropped before the softmax, so extreme centres and widths stay finite.
-
-    Args:
-        mu: centres along this axis, `(H, R)`.
-        sigma: widths along this axis, `(H, R)`.
-        tau: temperature, scalar or per head `(H,)`.
-        length: number of grid positions on this axis.
-
-    Returns:
-        `(H, R, length, length)`, each row on the simplex.
-    """
-    mu = mu.double().clamp(-_CLAMP, _CLAMP)
-    tau = tau.double().reshape(-1, 1) if tau.ndim else tau.double()
-    spread = (sigma.double().clamp(max=_CLAMP) ** 2 * tau).clamp(max=_CLAMP)  # (H, R), >= sigma_min^2 tau_min
-    pos = torch.arange(length, dtype=torch.float64, device=mu.device)
-    delta = pos[None, :] - pos[:, None]  # (L, L): delta[i, j] = j - i
-    logits = (delta * mu[..., None, None] - 0.5 * delta**2) / spread[..., None, None]  # (H, R, L, L)
-    return logits.softmax(-1)
 
 
 @torch.no_grad()
@@ -61,10 +38,13 @@ def head_norm_bounds(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens:
     """
     gh, gw = grid
     n = gh * gw
-    mu, sigma, tau = mixer.mu.detach(), mixer.sigma().detach(), mixer.tau().detach()
+    mu, sigma, tau = mixer.mu.detach().double(), mixer.sigma().detach().double(), mixer.tau().detach().double()
+    tau = tau[:, None] if tau.ndim else tau  # broadcastable to (H, R)
     lam = mixer.mixture().detach().double()  # (H, R)
-    ky = axis_kernels(mu[..., 0], sigma[..., 0], tau, gh)  # (H, R, Gh, Gh)
-    kx = axis_kernels(mu[..., 1], sigma[..., 1], tau, gw)  # (H, R, Gw, Gw)
+    ky = ops.axis_kernels(gh, mu[..., 0], sigma[..., 0], tau)  # (H, R, Gh, Gh), float64 (docs/operator.md)
+    kx = ops.axis_kernels(gw, mu[..., 1], sigma[..., 1], tau)  # (H, R, Gw, Gw)
+    if not (ky.isfinite().all() and kx.isfinite().all()):
+        raise ValueError("the mixer's axis kernels are not finite in float64: its centres or widths are too large")
     col = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-2), kx.sum(-2)).flatten(1)  # (H, N) column sums of A_h
     row = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-1), kx.sum(-1)).flatten(1)  # (H, N) row sums of A_h (= 1)
     max_col = (col + num_prefix_tokens / n).amax(-1)  # prefix rows put 1/N on every patch column

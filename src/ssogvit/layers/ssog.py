@@ -15,7 +15,6 @@ __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS"]
 
 STEER_PATHS = ("mu", "sigma", "lambda")
 SSOG_IMPLS = ops.SSOG_IMPLS
-_GATE_FLOOR = 1e-4
 
 
 def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -156,7 +155,7 @@ class SSoGAttention(nn.Module):
 
     def gates(self) -> dict[str, Tensor]:
         """Steering gate values ``s = softplus(alpha) + 1e-4`` of the enabled paths."""
-        return {p: F.softplus(getattr(self, f"alpha_{p}")) + _GATE_FLOOR for p in self.steer}
+        return {p: ops.steer_gate(getattr(self, f"alpha_{p}")) for p in self.steer}
 
     def _tau_hr(self) -> Tensor:
         tau = self.tau()
