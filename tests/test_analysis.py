@@ -119,6 +119,17 @@ def test_bound_is_finite_for_extreme_parameters(scale):
         assert lipschitz_estimate(m, (3, 4), 1, iters=20) <= bound * (1 + 1e-9)
 
 
+def test_bound_refuses_centres_beyond_float64_accuracy():
+    m = create_mixer("ssog", 8, 2, num_atoms=3)
+    with torch.no_grad():
+        m.mu[0, 1, 0] = 1e12
+    with pytest.raises(ValueError, match="centre of 1e\\+12 grid cells is beyond 1e\\+09"):
+        lipschitz_bound(m, (3, 4), 1)
+    with torch.no_grad():
+        m.mu[0, 1, 0] = 1e9
+    assert math.isfinite(lipschitz_bound(m, (3, 4), 1))
+
+
 def test_steered_local_constant_grows_with_the_input_norm_and_fixed_does_not():
     torch.manual_seed(0)
     steered = create_mixer("ssog-steered", 8, 2, num_atoms=2, gate_init=0.0)

@@ -1,6 +1,10 @@
 """The SSoG operator against its dense float64 reference, and the paper's claims about it (docs/operator.md)."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -439,3 +443,41 @@ def test_stacked_double_backward_equals_einsum(prefix):
 
     for got, want in zip(penalty_grad("stacked"), penalty_grad("einsum")):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_steered_geometry_keeps_the_documented_bounds():
+    """docs/operator.md, "Steering geometry": centres move at most s_mu * M, widths by a factor exp(+-s_sigma), the
+    mixture stays on the simplex, and a path without a residual keeps the fixed field."""
+    g = torch.Generator().manual_seed(0)
+    b, n, h, r = 2, 6, 3, 4
+    mu, sigma = torch.randn(h, r, 2, generator=g, **F64), torch.rand(h, r, 2, generator=g, **F64) + 0.3
+    ell = torch.randn(h, r, generator=g, **F64)
+    res = {"mu": 50 * torch.randn(b, n, h, r, 2, generator=g, **F64),
+           "sigma": 50 * torch.randn(b, n, h, r, 2, generator=g, **F64),
+           "lambda": 50 * torch.randn(b, n, h, r, generator=g, **F64)}
+    gates = {p: ops.steer_gate(torch.tensor(a, **F64)) for p, a in zip(res, (0.3, -0.5, 1.0))}
+    mu_n, sigma_n, lam_n = ops.steered_geometry(mu, sigma, ell, res, gates, 4.0)
+    assert mu_n.shape == sigma_n.shape == (b, n, h, r, 2) and lam_n.shape == (b, n, h, r)
+    shift = (mu_n - mu).abs()
+    assert shift.max() <= gates["mu"] * 4.0 * (1 + 1e-12) and shift.max() > 0.99 * gates["mu"] * 4.0  # saturated
+    ratio = (sigma_n / sigma).log().abs()
+    assert ratio.max() <= gates["sigma"] * (1 + 1e-12) and ratio.max() > 0.99 * gates["sigma"]
+    torch.testing.assert_close(lam_n.sum(-1), torch.ones(b, n, h, **F64), rtol=0, atol=1e-12)
+    fixed = ops.steered_geometry(mu, sigma, ell, {"sigma": res["sigma"]}, gates, 4.0)
+    assert torch.equal(fixed[0], mu) and torch.equal(fixed[2], torch.softmax(ell, -1))
+    assert torch.equal(fixed[1], sigma_n)
+
+
+def test_importing_and_mixing_on_cpu_never_loads_the_triton_kernels():
+    code = (
+        "import sys, torch, ssogvit\n"
+        "from ssogvit.layers import SSoGAttention\n"
+        "SSoGAttention(8, 2, num_atoms=2)(torch.randn(1, 7, 8), grid=(2, 3))\n"  # impl='auto' on CPU
+        "print('loaded' if 'ssogvit.backends._triton_kernels' in sys.modules else 'not loaded')\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "not loaded"

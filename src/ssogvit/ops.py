@@ -23,18 +23,18 @@ from ssogvit.backends._common import flush_tiny, functional_only, prefix_pool
 
 __all__ = [
     "SSOG_IMPLS",
+    "axis_kernels",
+    "check_grid",
     "field_sigma",
     "field_tau",
-    "axis_kernels",
-    "token_axis_kernels",
+    "functional_only",
+    "position_dtype",
+    "prefix_pool",
     "ssog_mix",
     "ssog_mix_steered",
-    "prefix_pool",
-    "check_grid",
-    "position_dtype",
     "steer_gate",
     "steered_geometry",
-    "functional_only",
+    "token_axis_kernels",
 ]
 
 #: Implementations of the fixed separable contraction (docs/operator.md, "Backends"). ``"auto"`` picks one by device,

@@ -28,6 +28,10 @@ from ssogvit import ops
 
 from ._common import is_ssog, is_steered, mixer_grid, mixer_rows
 
+#: Largest centre the bound accepts: ``(j - i - mu)^2`` in float64 rounds by about ``eps * mu^2``, which stays far
+#: below the logits' spacing ``~ mu / (sigma^2 tau)`` wherever the softmax is not saturated (up to ~1e-5 at 1e9).
+_MAX_CENTRE = 1e9
+
 
 @torch.no_grad()
 def head_norm_bounds(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
@@ -39,12 +43,15 @@ def head_norm_bounds(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens:
     gh, gw = grid
     n = gh * gw
     mu, sigma, tau = mixer.mu.detach().double(), mixer.sigma().detach().double(), mixer.tau().detach().double()
+    if not mu.abs().max() <= _MAX_CENTRE:  # NaN included
+        raise ValueError(
+            f"a centre of {mu.abs().max().item():.3g} grid cells is beyond {_MAX_CENTRE:.0e}, where the axis kernels "
+            f"(docs/operator.md, \"Axis kernels\") lose their accuracy in float64; the bound is not computed"
+        )
     tau = tau[:, None] if tau.ndim else tau  # broadcastable to (H, R)
     lam = mixer.mixture().detach().double()  # (H, R)
     ky = ops.axis_kernels(gh, mu[..., 0], sigma[..., 0], tau)  # (H, R, Gh, Gh), float64 (docs/operator.md)
     kx = ops.axis_kernels(gw, mu[..., 1], sigma[..., 1], tau)  # (H, R, Gw, Gw)
-    if not (ky.isfinite().all() and kx.isfinite().all()):
-        raise ValueError("the mixer's axis kernels are not finite in float64: its centres or widths are too large")
     col = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-2), kx.sum(-2)).flatten(1)  # (H, N) column sums of A_h
     row = torch.einsum("hr,hry,hrx->hyx", lam, ky.sum(-1), kx.sum(-1)).flatten(1)  # (H, N) row sums of A_h (= 1)
     max_col = (col + num_prefix_tokens / n).amax(-1)  # prefix rows put 1/N on every patch column

@@ -9,8 +9,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "functional_only", "flush_tiny", "flush_tiny_product", "prefix_pool", "write_prefix_pool", "add_prefix_grad",
+    "add_prefix_grad",
+    "flush_tiny",
+    "flush_tiny_product",
+    "functional_only",
     "head_grads",
+    "prefix_pool",
+    "write_prefix_pool",
 ]
 
 

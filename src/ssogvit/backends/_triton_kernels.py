@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .triton import tf32_enabled
 
-__all__ = ["launch_mix", "fits", "shared_bytes", "OVERRIDE"]
+__all__ = ["OVERRIDE", "fits", "launch_mix", "shared_bytes"]
 
 #: Launch configuration forced by a tuning sweep: ``{"bd": channels per program (power of two >= 16), "warps": n}``.
 #: Empty: chosen from the problem size.

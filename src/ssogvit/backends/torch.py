@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._common import add_prefix_grad, flush_tiny_product, functional_only, head_grads, prefix_pool, write_prefix_pool
 
-__all__ = ["SMALL_MIX_TOKENS", "default_mix_head_chunk", "default_head_chunk", "mix_fixed", "mix_steered"]
+__all__ = ["SMALL_MIX_TOKENS", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
 
 #: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
 #: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width, mixing
@@ -46,16 +46,8 @@ def default_head_chunk(grid: tuple[int, int], heads: int, atoms: int, dim: int) 
 
 
 def mix_fixed(
-    values: Tensor,
-    grid: tuple[int, int],
-    ky: Tensor,
-    kx: Tensor,
-    lam: Tensor,
-    *,
-    impl: str,
-    inplace: bool,
-    head_chunk: int | None,
-    grad_needed: bool,
+    values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
+    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool,
 ) -> Tensor:
     """``ssogvit.ops.ssog_mix`` for ``impl`` in ``"stacked"``, ``"loop"``, ``"einsum"`` (arguments checked there)."""
     gh, gw = grid
@@ -198,16 +190,8 @@ KernelRows = Callable[[int, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def mix_steered(
-    values: Tensor,
-    grid: tuple[int, int],
-    mu: Tensor,
-    sigma: Tensor,
-    lam: Tensor,
-    tau: Tensor,
-    *,
-    head_chunk: int | None,
-    inplace: bool,
-    kernel_rows: KernelRows,
+    values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, *,
+    head_chunk: int | None, inplace: bool, kernel_rows: KernelRows,
 ) -> Tensor:
     """``ssogvit.ops.ssog_mix_steered`` (arguments checked there), the per-token kernel rows built by ``kernel_rows``
     one head chunk at a time: the column pass and the row pass as batched matmuls."""

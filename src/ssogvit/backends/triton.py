@@ -22,7 +22,12 @@ from ._common import add_prefix_grad, head_grads, write_prefix_pool
 from .torch import mix_fixed
 
 __all__ = [
-    "ssog_mix_triton", "triton_available", "triton_usable", "triton_import_error", "tf32_enabled", "auto_picks_triton",
+    "auto_picks_triton",
+    "ssog_mix_triton",
+    "tf32_enabled",
+    "triton_available",
+    "triton_import_error",
+    "triton_usable",
 ]
 
 _STATE: dict = {}
@@ -219,7 +224,7 @@ def _kernel_grads(v: Tensor, g: Tensor, kyl: Tensor, kx: Tensor, grid, need_kyl:
     """Gradients of ``sum(g * mix(v))`` with respect to ``kyl (H, R, Gh, Gh)`` and ``kx (H, R, Gw, Gw)``, one head at
     a time by ``head_grads`` (in ``v``'s dtype; half-precision kernels get float32 gradients, cast back at the end)."""
     gh, gw = grid
-    b, n, d = v.shape
+    b, _, d = v.shape
     h, r = kyl.shape[:2]
     dh = d // h
     vp = v.reshape(b, gh, gw, h, dh)
