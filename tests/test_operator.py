@@ -456,14 +456,14 @@ def test_steered_geometry_keeps_the_documented_bounds():
            "sigma": 50 * torch.randn(b, n, h, r, 2, generator=g, **F64),
            "lambda": 50 * torch.randn(b, n, h, r, generator=g, **F64)}
     gates = {p: ops.steer_gate(torch.tensor(a, **F64)) for p, a in zip(res, (0.3, -0.5, 1.0))}
-    mu_n, sigma_n, lam_n = ops.steered_geometry(mu, sigma, ell, res, gates, 4.0)
+    mu_n, sigma_n, lam_n = ops.steered_geometry(mu, sigma, ell, res, gates, radius=4.0)
     assert mu_n.shape == sigma_n.shape == (b, n, h, r, 2) and lam_n.shape == (b, n, h, r)
     shift = (mu_n - mu).abs()
     assert shift.max() <= gates["mu"] * 4.0 * (1 + 1e-12) and shift.max() > 0.99 * gates["mu"] * 4.0  # saturated
     ratio = (sigma_n / sigma).log().abs()
     assert ratio.max() <= gates["sigma"] * (1 + 1e-12) and ratio.max() > 0.99 * gates["sigma"]
     torch.testing.assert_close(lam_n.sum(-1), torch.ones(b, n, h, **F64), rtol=0, atol=1e-12)
-    fixed = ops.steered_geometry(mu, sigma, ell, {"sigma": res["sigma"]}, gates, 4.0)
+    fixed = ops.steered_geometry(mu, sigma, ell, {"sigma": res["sigma"]}, gates, radius=4.0)
     assert torch.equal(fixed[0], mu) and torch.equal(fixed[2], torch.softmax(ell, -1))
     assert torch.equal(fixed[1], sigma_n)
 

@@ -96,7 +96,7 @@ def field_sigma(rho: Tensor, sigma_min: float, eps_sigma: float) -> Tensor:
 
 
 def field_tau(theta: Tensor, tau_min: float) -> Tensor:
-    """Temperature ``tau = tau_min + softplus(theta)``."""
+    """Temperature ``tau = tau_min + softplus(theta)`` (docs/operator.md, "Parameterisation")."""
     return tau_min + F.softplus(theta)
 
 
@@ -158,11 +158,12 @@ def steered_geometry(
     ell: Tensor,
     residuals: Mapping[str, Tensor],
     gates: Mapping[str, Tensor],
+    *,
     radius: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token geometry of steered SSoG (docs/operator.md, "Steering geometry"):
-    ``mu_p = mu + s_mu M tanh(a_mu)``, ``sigma_p = sigma exp(s_sigma tanh(a_sigma))``,
-    ``lambda_p = softmax(ell + s_lambda tanh(a_lambda))``; a path without a residual keeps the fixed field.
+    ``mu_n = mu + s_mu M tanh(a_mu)``, ``sigma_n = sigma exp(s_sigma tanh(a_sigma))``,
+    ``lambda_n = softmax(ell + s_lambda tanh(a_lambda))`` for token ``n``; a path without a residual keeps the fixed field.
 
     Args:
         mu: fixed centres ``(H, R, 2)``, or already broadcast to ``(B, N, H, R, 2)``.

@@ -199,7 +199,7 @@ class SSoGAttention(nn.Module):
         residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(self.steer, raw)}
         return ops.steered_geometry(
             self.mu.expand(b, n, h, r, 2), self.sigma().expand(b, n, h, r, 2), self.ell.expand(b, n, h, r), residuals,
-            self.gates(), self.radius,
+            self.gates(), radius=self.radius,
         )
 
     # -- forward ---------------------------------------------------------------------------------------------------
