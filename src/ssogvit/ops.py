@@ -35,6 +35,9 @@ __all__ = [
     "steer_gate",
     "steered_geometry",
     "token_axis_kernels",
+    "steered_axis_scale",
+    "axis_line",
+    "gaussian_rows",
 ]
 
 #: Implementations of the fixed separable contraction (docs/operator.md, "Backends"). ``"auto"`` picks one by device,
@@ -128,6 +131,38 @@ def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
     return flush_tiny(torch.softmax(logits, dim=-1))
 
 
+def steered_axis_scale(query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """A steered kernel row as a line ``z_j = s * j + o`` whose square is the row's negative logit (docs/operator.md,
+    "Steered mixing"): ``s = 1 / (sigma * sqrt(2 tau))`` and ``o = -(q + mu) * s``, so that
+    ``-(j - q - mu)^2 / (2 sigma^2 tau) = -z_j^2``.
+
+    Args:
+        query: the query index ``q`` along the axis (integer or float tensor), broadcastable to ``mu``'s shape.
+        mu, sigma: per-token centre and width along the axis, shape ``S``.
+        tau: temperature, broadcastable to ``S``.
+
+    Returns:
+        ``(s, o)``, each of shape ``S`` in ``position_dtype(mu.dtype)``.
+    """
+    dtype = position_dtype(mu.dtype)
+    scale = torch.rsqrt(2.0 * torch.as_tensor(tau).to(dtype)) / sigma.to(dtype)
+    return scale, -(query + mu.to(dtype)) * scale
+
+
+def axis_line(length: int, scale: Tensor, offset: Tensor) -> Tensor:
+    """``z[..., j] = scale * j + offset`` for ``j < length``: shape ``S + (L,)`` from ``scale`` and ``offset`` of shape
+    ``S`` (``steered_axis_scale``)."""
+    pos = torch.arange(length, device=scale.device, dtype=scale.dtype)
+    return torch.addcmul(offset[..., None], pos, scale[..., None])
+
+
+def gaussian_rows(z: Tensor, *, inplace: bool = False) -> Tensor:
+    """``softmax_j(-z_j^2)`` over the last axis, denormal entries set to zero (docs/operator.md, "Denormals").
+    ``inplace`` overwrites ``z`` on the way (inference only)."""
+    logits = z.square_().neg_() if inplace else -z.square()
+    return flush_tiny(torch.softmax(logits, dim=-1))
+
+
 def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
     """Per-token kernel rows along one axis (steered SSoG): ``K[..., j] = softmax_j(-(j - q - mu)^2 / (2 s^2 tau))``.
 
@@ -140,16 +175,9 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
     Returns:
         Kernel rows of shape ``S + (L,)`` in ``position_dtype(mu.dtype)``.
     """
-    dtype = position_dtype(mu.dtype)
-    mu, sigma, tau = mu.to(dtype), sigma.to(dtype), torch.as_tensor(tau).to(dtype)
-    pos = torch.arange(length, device=mu.device, dtype=dtype)
-    offset = (query + mu)[..., None]  # S + (1,)
-    neg_inv = (-0.5 / (sigma.square() * tau))[..., None]  # S + (1,)
-    if (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)) or functional_only():
-        logits = (pos - offset).square() * neg_inv
-    else:  # inference: one table-sized buffer, updated in place
-        logits = (pos - offset).square_().mul_(neg_inv)
-    return flush_tiny(torch.softmax(logits, dim=-1))
+    scale, offset = steered_axis_scale(query, mu, sigma, tau)
+    inference = not (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)) and not functional_only()
+    return gaussian_rows(axis_line(length, scale, offset), inplace=inference)
 
 
 def steered_geometry(
@@ -286,6 +314,12 @@ def ssog_mix_steered(
         Mixed values ``(B, P + N, D)``.
     """
     _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
+    gh, gw = grid
+    b, h, r = mu.shape[0], mu.shape[2], mu.shape[3]
+    iy, ix = torch.meshgrid(torch.arange(gh, device=mu.device), torch.arange(gw, device=mu.device), indexing="ij")
+    query = torch.stack([iy, ix], dim=-1).view(1, gh * gw, 1, 1, 2)  # each token's own (y, x) cell
+    scale, offset = steered_axis_scale(query, mu, sigma, tau.reshape(-1).view(1, 1, -1, 1, 1))  # (B, N, H, R, 2)
     return torch_backend.mix_steered(
-        values, grid, mu, sigma, lam, tau, head_chunk=head_chunk, inplace=inplace, kernel_rows=token_axis_kernels
+        values, grid, scale, offset, lam.reshape(b, gh * gw, h, r), head_chunk=head_chunk, inplace=inplace,
+        rows=gaussian_rows, line=axis_line,
     )

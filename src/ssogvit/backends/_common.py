@@ -6,6 +6,7 @@ docs/operator.md states the maths ("Prefix tokens", "Denormals", "Backward"); sh
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "flush_tiny",
     "flush_tiny_product",
     "functional_only",
+    "gaussian_rows_grad",
     "head_grads",
     "prefix_pool",
     "write_prefix_pool",
@@ -32,8 +34,8 @@ def flush_tiny(k: Tensor) -> Tensor:
     in place in inference (no second table-sized allocation)."""
     tiny = torch.finfo(k.dtype).tiny
     if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
-        return k.masked_fill(k < tiny, 0.0)
-    return k.masked_fill_(k < tiny, 0.0)
+        return F.threshold(k, tiny, 0.0)
+    return F.threshold_(k, tiny, 0.0)  # one pass; entries <= tiny (never negative here) become 0
 
 
 def flush_tiny_product(k: Tensor) -> Tensor:
@@ -43,7 +45,7 @@ def flush_tiny_product(k: Tensor) -> Tensor:
     tiny = torch.finfo(k.dtype).tiny
     if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
         return k - k.masked_fill(k >= tiny, 0.0).detach()
-    return k.masked_fill_(k < tiny, 0.0)
+    return F.threshold_(k, tiny, 0.0)
 
 
 def prefix_pool(patches: Tensor, num_prefix: int) -> Tensor:
@@ -107,3 +109,10 @@ def head_grads(
         if need_v:
             g_v = torch.matmul(kx_h.t(), g_u)
     return g_ky, g_kx, g_v
+
+
+def gaussian_rows_grad(rows: Tensor, z: Tensor, g_rows: Tensor) -> Tensor:
+    """Backward of ``rows = softmax_j(-z_j^2)`` (``ssogvit.ops.gaussian_rows``): ``dL/dz`` from ``dL/drows``.
+    Flushed entries are zero in ``rows`` and so pass no gradient, as the flush's own derivative says."""
+    g_logits = rows * (g_rows - (rows * g_rows).sum(-1, keepdim=True))  # softmax backward
+    return -2.0 * z * g_logits  # d(-z^2)/dz

@@ -12,7 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._common import add_prefix_grad, flush_tiny_product, functional_only, head_grads, prefix_pool, write_prefix_pool
+from ._common import (
+    add_prefix_grad, flush_tiny_product, functional_only, gaussian_rows_grad, head_grads, prefix_pool, write_prefix_pool,
+)
 
 __all__ = ["SMALL_MIX_TOKENS", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
 
@@ -185,73 +187,164 @@ class _StackedMix(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------------
 # Content-steered SSoG
 
-#: ``kernel_rows(length, query, mu, sigma, tau)``: per-token kernel rows, ``ssogvit.ops.token_axis_kernels``.
-KernelRows = Callable[[int, Tensor, Tensor, Tensor, Tensor], Tensor]
+#: ``rows(z, inplace=...)``: ``softmax_j(-z_j^2)``, flushed (``ssogvit.ops.gaussian_rows``).
+Rows = Callable[..., Tensor]
+#: ``line(length, scale, offset)``: ``z_j = scale * j + offset`` (``ssogvit.ops.axis_line``).
+Line = Callable[[int, Tensor, Tensor], Tensor]
+
+
+class _Steered:
+    """The steered mixing's operands in the layouts of its two batched matmuls (docs/operator.md, "Steered mixing").
+
+    Column pass, batched over ``(b, k, h)``: ``((iy, r), jy) @ (jy, d)``, the y-rows steered by token ``(iy, k)``.
+    Row pass, batched over ``(b, iy, h)``: ``(ix, (r, k)) @ ((r, k), d)``, the x-rows and weights steered by the query.
+    """
+
+    def __init__(self, values: Tensor, grid: tuple[int, int], scale: Tensor, offset: Tensor, lam: Tensor,
+                 rows: Rows, line: Line):
+        b, t, d = values.shape
+        self.gh, self.gw = gh, gw = grid
+        self.b, self.t, self.d, self.p = b, t, d, t - gh * gw
+        self.h, self.r = scale.shape[2], scale.shape[3]
+        self.dh = d // self.h
+        self.rows, self.line = rows, line
+        self.v = values[:, self.p:].view(b, gh, gw, self.h, self.dh)
+        scale = scale.reshape(b, gh, gw, self.h, self.r, 2)
+        offset = offset.reshape(b, gh, gw, self.h, self.r, 2)
+        col, row = (0, 2, 3, 1, 4), (0, 1, 3, 2, 4)  # (b, iy, k, h, r) -> (b, k, h, iy, r) / (b, iy, h, ix, r)
+        # small per-token tensors, made contiguous in each pass's layout so that the tables come out in it too
+        self.s_y, self.o_y = scale[..., 0].permute(col).contiguous(), offset[..., 0].permute(col).contiguous()
+        self.s_x, self.o_x = scale[..., 1].permute(row).contiguous(), offset[..., 1].permute(row).contiguous()
+        self.lam = lam.reshape(b, gh, gw, self.h, self.r).permute(row).contiguous()[..., None]  # (b, iy, h, ix, r, 1)
+
+    def chunks(self, chunk: int):
+        for h0 in range(0, self.h, chunk):
+            yield slice(h0, min(self.h, h0 + chunk))
+
+    def z_y(self, hs: slice) -> Tensor:
+        return self.line(self.gh, self.s_y[:, :, hs], self.o_y[:, :, hs])  # (b, k, c, iy, r, jy)
+
+    def z_x(self, hs: slice) -> Tensor:
+        return self.line(self.gw, self.s_x[:, :, hs], self.o_x[:, :, hs])  # (b, iy, c, ix, r, k)
+
+    def v_cols(self, hs: slice) -> Tensor:
+        c = hs.stop - hs.start
+        return self.v[:, :, :, hs].permute(0, 2, 3, 1, 4).reshape(self.b * self.gw * c, self.gh, self.dh)
+
+    def column_pass(self, ky: Tensor, v_b: Tensor, c: int) -> Tensor:
+        """``U`` re-laid out for the row pass: ``(b*Gh*c, R*Gw, dh)``, rows ``(r, k)``."""
+        b, gh, gw, r, dh = self.b, self.gh, self.gw, self.r, self.dh
+        u = torch.bmm(ky.view(b * gw * c, gh * r, gh), v_b).view(b, gw, c, gh, r, dh)
+        return u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
+
+    def chunk_forward(self, hs: slice, inplace: bool) -> Tensor:
+        """Mixed patches of the heads ``hs``: ``(B, Gh, c, Gw, dh)``."""
+        b, gh, gw, r, dh = self.b, self.gh, self.gw, self.r, self.dh
+        c = hs.stop - hs.start
+        dtype = self.v.dtype
+        u_b = self.column_pass(self.rows(self.z_y(hs), inplace=inplace).to(dtype), self.v_cols(hs), c)
+        kx = self.rows(self.z_x(hs), inplace=inplace)
+        kx = flush_tiny_product(kx.mul_(self.lam[:, :, hs]) if inplace else kx * self.lam[:, :, hs]).to(dtype)
+        return torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
+
+    def functional_forward(self, chunk: int) -> Tensor:
+        """All heads, concatenated, nothing written in place (traced or exported: see ``functional_only``)."""
+        parts = [self.chunk_forward(hs, False) for hs in self.chunks(chunk)]
+        mixed = torch.cat(parts, dim=2).permute(0, 1, 3, 2, 4).reshape(self.b, self.gh * self.gw, self.d)
+        patches = self.v.reshape(self.b, self.gh * self.gw, self.d)
+        return torch.cat([prefix_pool(patches, self.p), mixed], dim=1) if self.p else mixed
 
 
 def mix_steered(
-    values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor, *,
-    head_chunk: int | None, inplace: bool, kernel_rows: KernelRows,
+    values: Tensor, grid: tuple[int, int], scale: Tensor, offset: Tensor, lam: Tensor, *,
+    head_chunk: int | None, inplace: bool, rows: Rows, line: Line,
 ) -> Tensor:
-    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there), the per-token kernel rows built by ``kernel_rows``
-    one head chunk at a time: the column pass and the row pass as batched matmuls."""
-    b, t, d = values.shape
-    gh, gw = grid
-    p = t - gh * gw
-    h, r = mu.shape[2], mu.shape[3]
-    dh = d // h
-    tau = tau.reshape(-1)
-    tau = tau.expand(h) if tau.numel() == 1 else tau
-    # query indices, laid out as the kernel tables below: y rows in (b, k, h, iy, r), x rows in (b, iy, h, ix, r)
-    iy = torch.arange(gh, device=values.device).view(1, 1, 1, gh, 1)  # integers: kernel_rows picks the float dtype
-    ix = torch.arange(gw, device=values.device).view(1, 1, 1, gw, 1)
-    v = values[:, p:].view(b, gh, gw, h, dh)
-    mu = mu.reshape(b, gh, gw, h, r, 2)
-    sigma = sigma.reshape(b, gh, gw, h, r, 2)
-    lam = lam.reshape(b, gh, gw, h, r)
-    chunk = h if head_chunk is None else max(1, int(head_chunk))
-    functional = functional_only()  # then each chunk's result is kept and concatenated, nothing written in place
-    out_all = values if inplace else None if functional else values.new_empty(b, t, d)
-    if not functional:
-        write_prefix_pool(out_all, values, p)
-    out = None if functional else out_all[:, p:].view(b, gh, gw, h, dh)
-    chunks = []
-    inference = not functional and not (
-        torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad or lam.requires_grad)
-    )
-    for h0 in range(0, h, chunk):
-        hs = slice(h0, min(h, h0 + chunk))
-        c = hs.stop - h0
-        t = tau[hs].view(1, 1, c, 1, 1)
-        # The small per-token geometry is permuted so that the kernel tables come out in the matmuls' layouts.
-        col = (0, 2, 3, 1, 4)  # (b, iy, k, h, r) -> (b, k, h, iy, r): token (iy, k) steers row iy of column k
-        ky = kernel_rows(
-            gh, iy, mu[:, :, :, hs, :, 0].permute(col).contiguous(), sigma[:, :, :, hs, :, 0].permute(col), t
-        ).to(values.dtype)  # (B, Gw, c, Gh, R, Gh)
-        # column pass, batched over (b, k, h): ((iy, r), jy) @ (jy, d)
-        v_b = v[:, :, :, hs].permute(0, 2, 3, 1, 4).reshape(b * gw * c, gh, dh)
-        u = torch.bmm(ky.view(b * gw * c, gh * r, gh), v_b).view(b, gw, c, gh, r, dh)  # U[b, k, h, iy, r, d]
-        del ky, v_b
-        row = (0, 1, 3, 2, 4)  # (b, iy, ix, h, r) -> (b, iy, h, ix, r): the query steers its own row and mixture
-        kx = kernel_rows(
-            gw, ix, mu[:, :, :, hs, :, 1].permute(row).contiguous(), sigma[:, :, :, hs, :, 1].permute(row), t
-        )  # (B, Gh, c, Gw, R, Gw)
-        weights = lam[:, :, :, hs].permute(row)[..., None]
-        kx = kx.mul_(weights) if inference else kx * weights
-        # flushed in place in training too: this table is internal, and the gradient lost at flushed entries reaches
-        # mu, sigma and lambda multiplied by a kernel value below tiny / lambda (see flush_tiny_product)
-        tiny = torch.finfo(kx.dtype).tiny
-        kx = (kx.masked_fill(kx < tiny, 0.0) if functional else kx.masked_fill_(kx < tiny, 0.0)).to(values.dtype)
-        # row pass, batched over (b, iy, h): (ix, (r, k)) @ ((r, k), d)
-        u_b = u.permute(0, 3, 2, 4, 1, 5).reshape(b * gh * c, r * gw, dh)
-        del u
-        y = torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
-        del kx, u_b
-        if functional:
-            chunks.append(y.permute(0, 1, 3, 2, 4))
-        else:
-            out[:, :, :, hs] = y.permute(0, 1, 3, 2, 4)
-    if functional:
-        mixed = torch.cat(chunks, dim=3).reshape(b, gh * gw, d)
-        return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
-    return out_all
+    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there) from each token's kernel lines ``scale``, ``offset``
+    ``(B, N, H, R, 2)`` (``ssogvit.ops.steered_axis_scale``) and mixture weights ``lam`` ``(B, N, H, R)``, one head
+    chunk at a time. With autograd, ``_SteeredMix`` saves the values and these small per-token tensors only, and
+    recomputes the kernel tables in backward."""
+    chunk = scale.shape[2] if head_chunk is None else max(1, int(head_chunk))
+    operands = (values, scale, offset, lam)
+    if functional_only():
+        return _Steered(values, grid, scale, offset, lam, rows, line).functional_forward(chunk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return _SteeredMix.apply(values, scale, offset, lam, grid, chunk, rows, line)
+    return _steered_into(values if inplace else torch.empty_like(values), values, grid, scale, offset, lam, chunk,
+                         rows, line)
+
+
+def _steered_into(out: Tensor, values: Tensor, grid, scale, offset, lam, chunk: int, rows: Rows, line: Line) -> Tensor:
+    """The steered mixing written into ``out`` (``values`` itself in place: each chunk's values are read for the last
+    time before its result is written), prefix rows first."""
+    op = _Steered(values, grid, scale, offset, lam, rows, line)
+    write_prefix_pool(out, values, op.p)
+    o = out[:, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
+    for hs in op.chunks(chunk):
+        o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)
+    return out
+
+
+class _SteeredMix(torch.autograd.Function):
+    """Steered mixing whose backward recomputes the kernel tables and the column pass one head chunk at a time, so
+    training keeps only the values and the per-token lines and weights (``5 H R`` numbers per token) for backward.
+    The backward is written with differentiable operations (out of place when a graph is being built), so gradient
+    penalties can differentiate it again."""
+
+    @staticmethod
+    def forward(ctx, values, scale, offset, lam, grid, chunk, rows, line):
+        ctx.save_for_backward(values, scale, offset, lam)
+        ctx.args = (grid, chunk, rows, line)
+        with torch.no_grad():
+            return _steered_into(torch.empty_like(values), values, grid, scale, offset, lam, chunk, rows, line)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        values, scale, offset, lam = ctx.saved_tensors
+        grid, chunk, rows, line = ctx.args
+        op = _Steered(values, grid, scale, offset, lam, rows, line)
+        b, gh, gw, h, r, dh = op.b, op.gh, op.gw, op.h, op.r, op.dh
+        ip = not torch.is_grad_enabled()  # a graph is built (create_graph=True): no in-place ops then
+        dtype = values.dtype
+        g_out = grad[:, op.p:].reshape(b, gh, gw, h, dh)
+        g_values = torch.zeros_like(values)
+        g_v = g_values[:, op.p:].view(b, gh, gw, h, dh)
+        pos_y = torch.arange(gh, device=grad.device, dtype=scale.dtype)
+        pos_x = torch.arange(gw, device=grad.device, dtype=scale.dtype)
+        # z_j = s j + o: dL/ds = sum_j j dL/dz_j, dL/do = sum_j dL/dz_j, reduced chunk by chunk
+        g_sy, g_oy, g_sx, g_ox, g_lam = [], [], [], [], []
+        for hs in op.chunks(chunk):
+            c = hs.stop - hs.start
+            z_y = op.z_y(hs)
+            ky = rows(z_y.clone() if ip else z_y, inplace=ip)
+            v_b = op.v_cols(hs)
+            u_b = op.column_pass(ky.to(dtype), v_b, c)
+            z_x = op.z_x(hs)
+            kx = rows(z_x.clone() if ip else z_x, inplace=ip)
+            w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
+            g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
+            g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
+            g_u = torch.bmm(w.view(b * gh * c, gw, r * gw).transpose(1, 2), g_y)  # (b*Gh*c, R*Gw, dh)
+            del u_b, w
+            g_lam.append((g_w * kx).sum(-1))
+            g_zx = gaussian_rows_grad(kx, z_x, g_w * op.lam[:, :, hs])
+            g_sx.append(g_zx @ pos_x)
+            g_ox.append(g_zx.sum(-1))
+            del kx, g_w, g_zx
+            g_u = g_u.view(b, gh, c, r, gw, dh).permute(0, 4, 2, 1, 3, 5).reshape(b * gw * c, gh * r, dh)
+            g_ky = torch.bmm(g_u, v_b.transpose(1, 2)).view(b, gw, c, gh, r, gh).to(ky.dtype)
+            g_vb = torch.bmm(ky.to(dtype).view(b * gw * c, gh * r, gh).transpose(1, 2), g_u)  # (b*Gw*c, Gh, dh)
+            g_v[:, :, :, hs] = g_vb.view(b, gw, c, gh, dh).permute(0, 3, 1, 2, 4)
+            g_zy = gaussian_rows_grad(ky, z_y, g_ky)
+            g_sy.append(g_zy @ pos_y)
+            g_oy.append(g_zy.sum(-1))
+            del ky, g_ky, g_u, g_zy
+        add_prefix_grad(g_values, grad, op.p)
+        col_inv, row_inv = (0, 3, 1, 2, 4), (0, 1, 3, 2, 4)  # back to (b, iy, ix, h, r)
+
+        def token_major(y_parts, x_parts):
+            return torch.stack([torch.cat(y_parts, 2).permute(col_inv), torch.cat(x_parts, 2).permute(row_inv)], -1)
+
+        g_scale, g_offset = token_major(g_sy, g_sx), token_major(g_oy, g_ox)
+        g_lam = torch.cat(g_lam, dim=2).permute(row_inv)
+        return (g_values, g_scale.reshape(scale.shape).to(scale.dtype), g_offset.reshape(offset.shape).to(offset.dtype),
+                g_lam.reshape(lam.shape).to(lam.dtype), None, None, None, None)
