@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.results import markdown_table, pyplot, save_figure
 from ssogvit.timm_compat import unique_blocks
 
 from .student import attention_probs, record_mixer_inputs, teacher_grid
@@ -166,8 +167,6 @@ def fit_fields(teacher: nn.Module, student: nn.Module, images: Tensor, *, steps:
 
 def format_report(result: FitResult) -> str:
     """A markdown report: one row per head, then the means."""
-    from ssogvit.analysis._common import markdown_table
-
     keys = ("kl", "kl_uniform", "explained", "kl_content", "prefix_mass", "entropy")
     body = [[r["block"], r["head"], *(r[k] for k in keys)] for r in result.rows]
     mean = {k: sum(r[k] for r in result.rows) / max(len(result.rows), 1) for k in keys}
@@ -188,11 +187,7 @@ def format_report(result: FitResult) -> str:
 def plot_fit(result: FitResult, path: str | Path, *, heads: int = 6) -> Path:
     """PNG: for the best- and worst-explained heads, the teacher's attention of the centre query (mean over the
     calibration images, and one image) beside the fitted field's row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ranked = sorted(result.rows, key=lambda r: -r["explained"] if math.isfinite(r["explained"]) else math.inf)
     chosen = ranked[: (heads + 1) // 2] + [r for r in ranked[-(heads // 2):] if r not in ranked[: (heads + 1) // 2]]
     columns = (("teacher_mean", "teacher, mean"), ("teacher_image", "teacher, one image"), ("field", "fitted field"))
@@ -210,8 +205,4 @@ def plot_fit(result: FitResult, path: str | Path, *, heads: int = 6) -> Path:
             ax.set_title(title, fontsize=8)
         row[0].set_ylabel(f"block {r['block']} head {r['head']}\nexplained {r['explained']:.2f}", fontsize=8)
     fig.suptitle("teacher attention of the centre query (+) and the fitted Gaussian field", fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

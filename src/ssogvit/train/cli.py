@@ -8,6 +8,10 @@ import json
 import sys
 from typing import Any
 
+import yaml
+
+from .config import split_override
+
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
            "format_error", "run_config_command"]
 
@@ -137,7 +141,7 @@ def transfer_main(argv: list[str]) -> int:
         base += ["mixup.mixup_alpha=0.0", "mixup.cutmix_alpha=0.0"]
     # Without an explicit output_dir a transfer picks a fresh folder (runs/<name>, runs/<name>-2, ...); with one, the
     # folder rules of `ssogvit train` apply (resume its unfinished run, refuse a finished or different one).
-    fresh = not any(o.split("=", 1)[0].lstrip("+") == "output_dir" for o in overrides)
+    fresh = not any(split_override(o)[0] == "output_dir" for o in overrides)
     return run_config_command("ssogvit transfer", overrides, functools.partial(_train, fresh_output=fresh),
                               overrides=base)
 
@@ -214,7 +218,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from .errors import ConfigError
     from .io import load_model
 
-    other = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith("data") or "=" not in o]
+    other = [o for o in overrides if not split_override(o)[0].startswith("data") or "=" not in o]
     if other:
         raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "
                           f"(data.root=... data.batch_size=...)")
@@ -234,11 +238,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"image size {size} is not a multiple of the patch size {patch}; use --img-size "
                           f"{' or '.join(map(str, near))}, or another --patch-size")
     if args.rescale_field:
-        from ssogvit.models.transfer import rescale_field
-
-        grid = (size // patch, size // patch)
-        for mixer in model.mixers():
-            rescale_field(mixer, grid[0] / trained_grid[0], grid[1] / trained_grid[1])
+        model.rescale_field(size // patch / trained_grid[0], size // patch / trained_grid[1])
     from ssogvit.data import create_datamodule
 
     try:
@@ -298,21 +298,15 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
         node = OmegaConf.create({"data": data})
         OmegaConf.set_struct(node, True)  # a key the saved data config lacks is an error, not a silent addition
         for o in data_overrides:
-            key, value = o.split("=", 1)
+            key, value = split_override(o)
             try:
-                OmegaConf.update(node, key.lstrip("+"), value if key.lstrip("+") in PATH_KEYS else _parse_value(value))
+                OmegaConf.update(node, key, value if key in PATH_KEYS else yaml.safe_load(value))
             except Exception as err:  # noqa: BLE001 - OmegaConf's key and validation errors
                 raise ConfigError(f"cannot apply {o}: {str(err).splitlines()[0]}") from None
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size
     return data
-
-
-def _parse_value(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def list_main(argv: list[str]) -> int:

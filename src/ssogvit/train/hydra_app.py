@@ -20,12 +20,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["hydra_command", "override_key"]
+from .config import split_override
 
-
-def override_key(override: str) -> str:
-    """The config key an override sets: `+data.root=/x` -> `data.root`, `~ema` -> `ema`."""
-    return override.split("=", 1)[0].lstrip("+~")
+__all__ = ["hydra_command"]
 
 
 def _job_config(cfg: DictConfig) -> DictConfig:
@@ -34,7 +31,7 @@ def _job_config(cfg: DictConfig) -> DictConfig:
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
-    sets_output = any(override_key(o) == "output_dir" for o in hydra_cfg.overrides.task)
+    sets_output = any(split_override(o)[0] == "output_dir" for o in hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN and not sets_output:
         OmegaConf.update(cfg, "output_dir", str(hydra_cfg.runtime.output_dir))
     return cfg
