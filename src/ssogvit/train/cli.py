@@ -112,6 +112,25 @@ def _train(cfg, *, fresh_output: bool = False) -> int:
     return 0
 
 
+#: command -> (description, help of --ckpt) of the commands that start from a checkpoint
+_CHECKPOINT_COMMANDS: dict[str, tuple[str, str | None]] = {
+    "transfer": ("Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
+                 "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... "
+                 "trainer.max_epochs=10), -m sweeps, --cfg job.", "source .ckpt or .safetensors"),
+    "eval": ("Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another image size "
+             "or patch size. Remaining arguments are Hydra overrides for the data (default: the data config saved "
+             "with the run, e.g. data.root=/elsewhere).", None),
+}
+
+
+def _checkpoint_parser(command: str) -> ArgumentParser:
+    """The parser of ``ssogvit <command>``, a command that starts from a checkpoint: ``--ckpt PATH``, required."""
+    description, ckpt_help = _CHECKPOINT_COMMANDS[command]
+    parser = ArgumentParser(prog=f"ssogvit {command}", description=description)
+    parser.add_argument("--ckpt", required=True, help=ckpt_help)
+    return parser
+
+
 def _source_tag(ckpt: str) -> str:
     """A folder-name tag for a source checkpoint: its run folder and file stem (`digits_vit_ssog_best`)."""
     import re
@@ -124,13 +143,7 @@ def _source_tag(ckpt: str) -> str:
 
 def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
-    parser = ArgumentParser(
-        prog="ssogvit transfer",
-        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
-        "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), "
-        "-m sweeps, --cfg job.",
-    )
-    parser.add_argument("--ckpt", required=True, help="source .ckpt or .safetensors")
+    parser = _checkpoint_parser("transfer")
     parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights of the source checkpoint")
     args, overrides = parser.parse_known_args(argv)
@@ -184,13 +197,7 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
 
 def eval_main(argv: list[str]) -> int:
     """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
-    parser = ArgumentParser(
-        prog="ssogvit eval",
-        description="Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another "
-        "image size or patch size. Remaining arguments are Hydra overrides for the data (default: the data config "
-        "saved with the run, e.g. data.root=/elsewhere).",
-    )
-    parser.add_argument("--ckpt", required=True)
+    parser = _checkpoint_parser("eval")
     parser.add_argument("--img-size", type=_positive_int, default=None,
                         help="evaluate at this image size (dynamic resolution)")
     parser.add_argument("--patch-size", type=_positive_int, default=None,
