@@ -10,62 +10,11 @@ from typing import Any
 
 import yaml
 
+from ssogvit.errors import report_errors
+
 from .config import split_override
 
-__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
-           "format_error", "run_config_command"]
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from ssogvit.data import DataError
-    from ssogvit.errors import UsageError
-
-    from .errors import TrainError
-
-    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
-
-
-def format_error(prog: str, err: BaseException) -> str:
-    """`prog: <message>`: the first two lines of the error's message on one line.
-
-    An error raised in a data-loading worker arrives as `Caught <Error> in DataLoader worker...` followed by the
-    worker's traceback; its own message is the traceback's last line. A config Hydra cannot find is named with the
-    closest of the options it had.
-    """
-    from hydra.errors import MissingConfigException
-
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
-        lines = [lines[-1].split(": ", 1)[-1]]
-    if isinstance(err, MissingConfigException) and err.options:
-        import difflib
-
-        asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]
-        close = difflib.get_close_matches(asked, err.options, n=3, cutoff=0.5)
-        more = ", ..." if len(err.options) > 8 else ""
-        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}{more}"
-        lines = [lines[0].split(" Available options")[0] + ";", f"{hint} (`ssogvit list` shows all)"]
-    return f"{prog}: " + " ".join(lines[:2])
-
-
-def report_errors(prog: str, run) -> int:
-    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error.
-
-    With `--debug` or `SSOGVIT_DEBUG=1` the error is raised with its traceback instead.
-    """
-    from ssogvit.cli import debug_enabled
-
-    try:
-        return int(run() or 0)
-    except user_errors() as err:
-        if debug_enabled():
-            raise
-        print(format_error(prog, err), file=sys.stderr)
-        return 2
+__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "run_config_command"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -114,12 +63,18 @@ def _train(cfg, *, fresh_output: bool = False) -> int:
 
 #: command -> (description, help of --ckpt) of the commands that start from a checkpoint
 _CHECKPOINT_COMMANDS: dict[str, tuple[str, str | None]] = {
-    "transfer": ("Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
-                 "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... "
-                 "trainer.max_epochs=10), -m sweeps, --cfg job.", "source .ckpt or .safetensors"),
-    "eval": ("Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another image size "
-             "or patch size. Remaining arguments are Hydra overrides for the data (default: the data config saved "
-             "with the run, e.g. data.root=/elsewhere).", None),
+    "transfer": (
+        ("Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's command line "
+         "as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), -m sweeps, "
+         "--cfg job."),
+        "source .ckpt or .safetensors",
+    ),
+    "eval": (
+        ("Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another image size or "
+         "patch size. Remaining arguments are Hydra overrides for the data (default: the data config saved with the "
+         "run, e.g. data.root=/elsewhere)."),
+        None,
+    ),
 }
 
 

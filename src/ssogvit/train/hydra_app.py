@@ -3,7 +3,7 @@
 `hydra_command(prog, argv, task)` gives a command Hydra's whole command line over the packaged config
 (`ssogvit/conf`): overrides, `-m/--multirun` sweeps with any launcher (`hydra/launcher=submitit_slurm`), `--cfg job`,
 `--resolve`, `--help`, `--info`. Each job's config reaches `task(cfg)`; a user error raised there (or by Hydra while
-composing) propagates to the caller, which reports it in one or two lines (`ssogvit.train.cli.report_errors`).
+composing) propagates to the caller, which reports it in one or two lines (`ssogvit.errors.report_errors`).
 
 Where runs write (`hydra:` in `ssogvit/conf/config.yaml`): Hydra itself writes nothing into a single run's folder (the
 run checks its folder before writing, see docs/training.md); in a sweep each job writes to its own folder,
@@ -45,7 +45,8 @@ def _job_label() -> str:
 
 def _raise_failures(failures: list[tuple[str, BaseException]], *, multirun: bool) -> None:
     """Re-raise a run's error as it was; for a sweep, one error naming the failed jobs (a bug is raised as it is)."""
-    from .cli import user_errors
+    from ssogvit.errors import user_errors
+
     from .errors import TrainError
 
     if not failures:
