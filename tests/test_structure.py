@@ -23,14 +23,6 @@ from ssogvit.train.config import split_override
 TINY = dict(img_size=32, patch_size=8, depth=2, num_classes=3, embed_dim=24, num_heads=3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _mixer(**kw) -> SSoGAttention:
     torch.manual_seed(0)
     m = SSoGAttention(12, 3, num_atoms=2, **kw).double()
