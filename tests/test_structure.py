@@ -68,6 +68,14 @@ def test_no_weight_decay_names_the_field_and_the_gates_of_the_enabled_paths():
     assert steered.no_weight_decay() <= dict(steered.named_parameters()).keys()
 
 
+def test_field_parameters_are_all_but_the_value_and_output_projections():
+    fixed, steered = _mixer(), _mixer(steer=("mu",))
+    assert list(fixed.field_parameters()) == ["mu", "rho", "ell", "theta"]
+    assert set(steered.field_parameters()) == {"mu", "rho", "ell", "theta", "alpha_mu", "mu_steer.weight",
+                                               "mu_steer.bias"}
+    assert all(p is dict(steered.named_parameters())[n] for n, p in steered.field_parameters().items())
+
+
 def test_the_model_excludes_exactly_what_its_mixers_name_plus_tokens_and_one_dimensional_parameters():
     model = create_model("looped-tiny-ssog-steered", **TINY, num_registers=1)
     names = dict(model.named_parameters())

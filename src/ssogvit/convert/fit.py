@@ -24,7 +24,7 @@ from ssogvit.timm_compat import unique_blocks
 
 from .student import attention_probs, record_mixer_inputs, teacher_grid
 
-__all__ = ["FitResult", "field_parameters", "fit_fields", "fit_mixer", "format_report", "plot_fit"]
+__all__ = ["FitResult", "fit_fields", "fit_mixer", "format_report", "plot_fit"]
 
 _TINY = 1e-30
 
@@ -37,12 +37,6 @@ def _kl_rows(target: Tensor, pred: Tensor) -> Tensor:
 def _patch_matrix(mixer: nn.Module, x: Tensor, grid: tuple[int, int]) -> Tensor:
     p = x.shape[1] - grid[0] * grid[1]
     return mixer.attention_matrix(x, grid)[:, :, p:, p:]  # (B, H, N, N)
-
-
-def field_parameters(mixer: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters that shape an SSoG mixer's field: ``mu, rho, ell, theta`` and, steered, the steering maps and
-    gates (everything but the value and output projections)."""
-    return {n: p for n, p in mixer.named_parameters() if not n.startswith(("v.", "proj."))}
 
 
 def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int], *, steps: int = 300,
@@ -72,7 +66,7 @@ def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int]
     if wide_start:
         with torch.no_grad():
             work.rho.fill_(max(grid) / 2)  # softplus(rho) ~ rho for large rho
-    params = field_parameters(work)
+    params = work.field_parameters()
     opt = torch.optim.Adam(params.values(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -82,7 +76,7 @@ def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int]
         opt.step()
         losses.append(loss.item())
     with torch.no_grad():
-        for name, p in field_parameters(mixer).items():
+        for name, p in mixer.field_parameters().items():
             p.copy_(params[name])
     return losses
 

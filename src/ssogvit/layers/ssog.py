@@ -278,6 +278,11 @@ class SSoGAttention(nn.Module):
         ``mu, rho, ell, theta`` and the steering gates ``alpha_*``."""
         return {"mu", "rho", "ell", "theta", *(f"alpha_{p}" for p in self.steer)}
 
+    def field_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that shape the field: ``mu, rho, ell, theta`` and, steered, the steering maps and gates
+        (everything but the value and output projections), by name."""
+        return {n: p for n, p in self.named_parameters() if not n.startswith(("v.", "proj."))}
+
     def rho_for(self, sigma: Tensor) -> Tensor:
         """The raw widths ``rho`` that give the widths ``sigma``: the inverse of ``ops.field_sigma``.
 
