@@ -16,11 +16,10 @@ from ssogvit import ops
 from ssogvit.cli import main as ssogvit_main
 from ssogvit.layers import Attention, SSoGAttention, is_ssog
 from ssogvit.models import FAMILIES, LoopedViT, ODEViT, VisionTransformer, create_model, model_options
-from ssogvit.models._common import VisionTransformerBase
 from ssogvit.timm_compat import ssogify
 from ssogvit.train.config import split_override
 
-TINY = dict(img_size=32, patch_size=8, depth=2, num_classes=3, embed_dim=24, num_heads=3)
+TINY = {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 3, "embed_dim": 24, "num_heads": 3}
 
 
 def _mixer(**kw) -> SSoGAttention:

@@ -153,8 +153,9 @@ class ConversionModule(pl.LightningModule):
     # optimisation -------------------------------------------------------------------------------------------------
     def _param_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Weight decay on matrices only; the Gaussian fields (what ``SSoGAttention.no_weight_decay`` names: ``mu, rho,
-        ell, theta`` and the steering gates) without it, at ``field_lr_scale`` times the learning rate (Adam moves a parameter by about the learning rate per step,
-        so at 1e-3 a field fitted wide could not narrow within a short conversion)."""
+        ell, theta`` and the steering gates) without it, at ``field_lr_scale`` times the learning rate (Adam moves a
+        parameter by about the learning rate per step, so at 1e-3 a field fitted wide could not narrow within a short
+        conversion)."""
         field_names = {f"{prefix}.{name}" for prefix, m in self.model.named_modules() if is_ssog(m)
                        for name in m.no_weight_decay()}
         decay, no_decay, fields = [], [], []

@@ -12,7 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from .errors import ConfigError
 
 __all__ = [
-    "compose", "quote_override", "split_override", "list_experiments", "experiment_meta", "experiment_rows", "unset_details",
+    "compose", "quote_override", "split_override", "list_experiments", "experiment_meta", "experiment_rows",
+    "unset_details",
     "model_config_from", "IncompleteExperimentError", "CONFIG_MODULE", "PATH_KEYS", "check_run_config",
     "RUN_CONFIG_RULES", "check_complete",
 ]

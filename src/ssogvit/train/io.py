@@ -31,7 +31,8 @@ from ssogvit.models import create_model, list_models
 from .errors import CheckpointError
 
 __all__ = [
-    "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict", "read_model_config", "check_checkpoint",
+    "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
+    "read_model_config", "check_checkpoint",
     "check_model_config", "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "MODEL_LIMITS", "MAX_PARAMETERS",
 ]
