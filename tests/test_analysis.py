@@ -60,15 +60,21 @@ def test_empirical_lipschitz_never_exceeds_the_bound_over_random_fixed_mixers():
     assert max(ratios) > 0.9
 
 
-def test_bound_is_attained_by_a_sharp_centred_field():
-    # mu = 0 and the narrowest width make every axis kernel nearly the identity: ||A_h||_2 = 1 = the bound's factor
-    m = create_mixer("ssog", 4, 1, num_atoms=2, sigma_min=0.05, tau_min=0.05)
+def _identity_like_mixer(*, num_atoms: int):
+    """An SSoG mixer (D = 4, one head) whose field is centred and as sharp as it goes, with identity projections."""
+    m = create_mixer("ssog", 4, 1, num_atoms=num_atoms, sigma_min=0.05, tau_min=0.05)
     with torch.no_grad():
         m.mu.zero_()
         m.rho.fill_(-30.0)
         m.theta.fill_(-30.0)
         m.v.weight.copy_(torch.eye(4))
         m.proj.weight.copy_(torch.eye(4))
+    return m
+
+
+def test_bound_is_attained_by_a_sharp_centred_field():
+    # mu = 0 and the narrowest width make every axis kernel nearly the identity: ||A_h||_2 = 1 = the bound's factor
+    m = _identity_like_mixer(num_atoms=2)
     bound = lipschitz_bound(m, (5, 4), 0)
     est = lipschitz_estimate(m, (5, 4), 0, iters=50)
     assert bound == pytest.approx(1.0, abs=1e-6)
@@ -78,13 +84,7 @@ def test_bound_is_attained_by_a_sharp_centred_field():
 def test_prefix_tokens_raise_the_bound_and_the_estimate_by_sqrt_1_plus_p_over_n():
     # The pooled prefix outputs are extra outputs: for an identity-like field ||M_h|| = sqrt(1 + P/N), so a bound
     # that ignored them would be exceeded (docs/analysis.md, lipschitz).
-    m = create_mixer("ssog", 4, 1, num_atoms=1, sigma_min=0.05, tau_min=0.05)
-    with torch.no_grad():
-        m.mu.zero_()
-        m.rho.fill_(-30.0)
-        m.theta.fill_(-30.0)
-        m.v.weight.copy_(torch.eye(4))
-        m.proj.weight.copy_(torch.eye(4))
+    m = _identity_like_mixer(num_atoms=1)
     grid, prefix = (2, 2), 2
     expected = math.sqrt(1 + prefix / 4)
     assert lipschitz_bound(m, grid, prefix) == pytest.approx(expected, rel=1e-9)

@@ -6,7 +6,7 @@ import matplotlib
 import pytest
 import torch
 
-import ssogvit.analysis.fields as fields_module
+import ssogvit.results
 from ssogvit.analysis.fields import plot_query_fields
 from ssogvit.analysis.lipschitz import plot_lipschitz
 from ssogvit.analysis.sinks import plot_sinks
@@ -24,7 +24,7 @@ def figures(monkeypatch):
         kept.append(fig)
         return path
 
-    monkeypatch.setattr(fields_module, "_save", keep)
+    monkeypatch.setattr(ssogvit.results, "save_figure", keep)
     yield kept
     import matplotlib.pyplot as plt
 

@@ -15,7 +15,7 @@ from ssogvit.train.cli import list_main
 from ssogvit.train.config import (
     IncompleteExperimentError, compose, experiment_meta, experiment_rows, list_experiments, model_config_from,
 )
-from ssogvit.train.module import build_model
+from ssogvit.train.io import build_model
 
 EXPERIMENTS = list_experiments()
 # The paper's CIFAR-100 and ImageNet tables and figure that the configs must cover.

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-DEBUG_ENV = "SSOGVIT_DEBUG"
+from ssogvit.errors import DEBUG_ENV, debug_enabled, format_error, user_errors
 
 # command -> (module, function, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -34,11 +34,6 @@ def _usage() -> str:
     lines += ["", "Run `ssogvit <command> --help` for a command's options. --debug (or SSOGVIT_DEBUG=1): show the "
               "traceback of an error."]
     return "\n".join(lines)
-
-
-def debug_enabled() -> bool:
-    """Whether errors show their traceback (`--debug`, or `SSOGVIT_DEBUG` set to anything but 0/empty)."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _version() -> str:
@@ -88,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssogvit {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # a user error a command did not report itself
-        from ssogvit.train.cli import format_error, user_errors
-
         if debug_enabled() or not isinstance(err, user_errors()):
             raise
         print(format_error(f"ssogvit {name}", err), file=sys.stderr)

@@ -1,10 +1,68 @@
-"""`UsageError`: a command's input that it refuses, reported by `ssogvit` in one or two lines with exit status 2."""
+"""How a command reports its user's mistakes: `UsageError` and the other user errors end in one or two lines naming
+the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`)."""
 
 from __future__ import annotations
 
-__all__ = ["UsageError"]
+import os
+import sys
+
+__all__ = ["DEBUG_ENV", "UsageError", "debug_enabled", "format_error", "report_errors", "user_errors"]
+
+DEBUG_ENV = "SSOGVIT_DEBUG"
 
 
 class UsageError(Exception):
     """Bad input to a command (a file it cannot use, an option it does not take); the message names the fix."""
 
+
+def debug_enabled() -> bool:
+    """Whether errors show their traceback (`--debug`, or `SSOGVIT_DEBUG` set to anything but 0/empty)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ssogvit.data import DataError
+    from ssogvit.train.errors import TrainError
+
+    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
+
+
+def format_error(prog: str, err: BaseException) -> str:
+    """`prog: <message>`: the first two lines of the error's message on one line.
+
+    An error raised in a data-loading worker arrives as `Caught <Error> in DataLoader worker...` followed by the
+    worker's traceback; its own message is the traceback's last line. A config Hydra cannot find is named with the
+    closest of the options it had.
+    """
+    from hydra.errors import MissingConfigException
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        lines = [lines[-1].split(": ", 1)[-1]]
+    if isinstance(err, MissingConfigException) and err.options:
+        import difflib
+
+        asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]
+        close = difflib.get_close_matches(asked, err.options, n=3, cutoff=0.5)
+        more = ", ..." if len(err.options) > 8 else ""
+        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}{more}"
+        lines = [lines[0].split(" Available options")[0] + ";", f"{hint} (`ssogvit list` shows all)"]
+    return f"{prog}: " + " ".join(lines[:2])
+
+
+def report_errors(prog: str, run) -> int:
+    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error.
+
+    With `--debug` or `SSOGVIT_DEBUG=1` the error is raised with its traceback instead.
+    """
+    try:
+        return int(run() or 0)
+    except user_errors() as err:
+        if debug_enabled():
+            raise
+        print(format_error(prog, err), file=sys.stderr)
+        return 2

@@ -1,35 +1,26 @@
-"""Helpers shared by the analyses: which mixers a model has, its grid, capturing mixer inputs, writing results."""
+"""Helpers shared by the analyses: which mixers a model has, its grid, capturing mixer inputs."""
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+from timm.layers import to_2tuple
 from torch import nn
 
-
-def is_ssog(mixer: nn.Module) -> bool:
-    """True for an SSoG mixer (it owns a Gaussian field `mu`, `rho`, `ell`)."""
-    return all(hasattr(mixer, a) for a in ("mu", "rho", "ell", "mixture"))
+from ssogvit.layers import is_ssog
 
 
 def is_steered(mixer: nn.Module) -> bool:
     """True for an SSoG mixer with at least one steering path switched on."""
-    return is_ssog(mixer) and bool(tuple(getattr(mixer, "steer", ()) or ()))
-
-
-def _pair(v) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) or not isinstance(v, Sequence) else (int(v[0]), int(v[1]))
+    return is_ssog(mixer) and bool(mixer.steer)
 
 
 def mixer_grid(model: nn.Module, img_size=None) -> tuple[int, int]:
     """`(Gh, Gw)` of `model` at its own (or the given) image size."""
-    h, w = _pair(img_size if img_size is not None else model.img_size)
-    ph, pw = _pair(model.patch_size)
+    h, w = to_2tuple(img_size if img_size is not None else model.img_size)
+    ph, pw = to_2tuple(model.patch_size)
     return h // ph, w // pw
 
 
@@ -58,43 +49,3 @@ def capture_mixer_inputs(model: nn.Module) -> Iterator[list[list[tuple[torch.Ten
     finally:
         for h in handles:
             h.remove()
-
-
-def write_json(path: Path, data) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    return path
-
-
-def _jsonable(v):
-    if isinstance(v, torch.Tensor):
-        return v.tolist()
-    if isinstance(v, Path):
-        return str(v)
-    raise TypeError(f"not JSON serialisable: {type(v)}")
-
-
-def fmt(v, digits: int = 3) -> str:
-    """A table cell: floats to `digits` significant decimals, `None`/NaN as an em dash."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}" if v == 0 or 0.01 <= abs(v) < 1e5 else f"{v:.3g}"
-    return str(v)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")  # a literal bar (|x|, ||J||) must not split the cell
-
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cell(fmt(c)) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def write_markdown(path: Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._common import is_ssog, mixer_rows
+from ssogvit import results
+from ssogvit.layers import is_ssog
+
+from ._common import mixer_rows
 
 
 def effective_atoms(weights: Tensor) -> Tensor:
@@ -45,12 +48,10 @@ def atoms_report(model: nn.Module) -> dict:
 
 def plot_atoms(reports: dict[str, dict], path) -> object:
     """Heat map of effective atoms, one panel per model: rows are mixers, columns heads (1 = one atom, R = all)."""
-    from .fields import _pyplot, _save
-
     reports = {k: r for k, r in reports.items() if r["layers"]}
     if not reports:
         return None
-    plt = _pyplot()
+    plt = results.pyplot()
     fig, axes = plt.subplots(1, len(reports), figsize=(4.2 * len(reports), 0.35 * max(
         len(r["layers"]) for r in reports.values()) + 1.6), squeeze=False)
     for ax, (label, rep) in zip(axes[0], reports.items()):
@@ -66,4 +67,4 @@ def plot_atoms(reports: dict[str, dict], path) -> object:
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle("effective atoms exp(H(λ)) per head", fontsize=9)
     fig.tight_layout()
-    return _save(fig, path)
+    return results.save_figure(fig, path)

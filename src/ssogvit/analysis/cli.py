@@ -16,10 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ssogvit.errors import UsageError
+from ssogvit.layers import is_ssog
+from ssogvit.results import fmt, markdown_table, write_json, write_markdown
 from ssogvit.train.cli import ArgumentParser
+from ssogvit.train.config import split_override
 
 from . import _data
-from ._common import fmt, is_ssog, markdown_table, write_json, write_markdown
 from .atoms import atoms_report, plot_atoms
 from .fields import plot_fields, plot_query_fields
 from .lipschitz import lipschitz_report, plot_lipschitz
@@ -92,7 +95,9 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
         if img < 128:
             kwargs["patch_size"] = max(1, img // 8)
         for item in args.model_kw:
-            key, _, value = item.partition("=")
+            key, value = split_override(item)
+            if value is None:
+                raise UsageError(f"--model-kw {item!r} is not KEY=VALUE (e.g. --model-kw depth=2)")
             kwargs[key.strip()] = yaml.safe_load(value)
         for name in args.model:
             torch.manual_seed(args.seed)

@@ -10,19 +10,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit import results
+from ssogvit.layers import is_ssog
 from ssogvit.models.maps import record_attention
 
-from ._common import is_ssog, mixer_rows
+from ._common import mixer_rows
 from .atoms import effective_atoms
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 @torch.no_grad()
@@ -50,7 +43,7 @@ def plot_fields(model: nn.Module, path: str | Path, *, title: str | None = None)
     """
     from matplotlib.patches import Ellipse, Rectangle
 
-    plt = _pyplot()
+    plt = results.pyplot()
     rows = [(name, m) for name, m in mixer_rows(model) if is_ssog(m)]
     if not rows:
         return None
@@ -88,7 +81,7 @@ def plot_fields(model: nn.Module, path: str | Path, *, title: str | None = None)
                 ax.set_xlabel("Δx (cells)", fontsize=7)
     default = "SSoG atoms: centre, 1σ (fill, opacity = weight λ) and 2σ (dashed), offsets from the query"
     fig.suptitle(title or default, fontsize=9)
-    return _save(fig, path)
+    return results.save_figure(fig, path)
 
 
 @torch.no_grad()
@@ -139,7 +132,7 @@ def plot_query_fields(
     weight, per application drawn."""
     from matplotlib.patches import Rectangle
 
-    plt = _pyplot()
+    plt = results.pyplot()
     fields = {label: query_field_maps(m, image, query) for label, m in models.items()}
     cols = max(len(_pick(len(f[0]), max_columns)) for f in fields.values())
     vmax = max(float(maps[i].max()) for maps, _ in fields.values() for i in _pick(len(maps), max_columns))
@@ -173,12 +166,4 @@ def plot_query_fields(
         bar = fig.colorbar(drawn, ax=axes, shrink=0.6, label="attention weight (heads averaged), one scale")
         bar.solids.set_alpha(1.0)
     fig.suptitle(f"attention of query cell (y={qy}, x={qx}) (cyan) over the patches, heads averaged", fontsize=9)
-    return _save(fig, path), summary
-
-
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
+    return results.save_figure(fig, path), summary

@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ssogvit import ops
+from ssogvit import ops, results
+from ssogvit.layers import is_ssog
 
-from ._common import is_ssog, is_steered, mixer_grid, mixer_rows
+from ._common import is_steered, mixer_grid, mixer_rows
 
 #: Largest centre the bound accepts: ``(j - i - mu)^2`` in float64 rounds by about ``eps * mu^2``, which stays far
 #: below the logits' spacing ``~ mu / (sigma^2 tau)`` wherever the softmax is not saturated (up to ~1e-5 at 1e9).
@@ -238,13 +239,11 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 def plot_lipschitz(reports: dict[str, dict], path) -> object:
     """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
-    from .fields import _pyplot, _save
-
     has_fixed = any(r["fixed"] for r in reports.values())
     has_steered = any(r["steered"] for r in reports.values())
     if not (has_fixed or has_steered):
         return None
-    plt = _pyplot()
+    plt = results.pyplot()
     panels = int(has_fixed) + int(has_steered)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered, 3.6), squeeze=False)
     axes = list(axes[0])
@@ -282,4 +281,4 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no line
         ax.set_title("steered SSoG: local constant vs input norm (dotted: frozen-geometry bound)", fontsize=8)
     fig.tight_layout()
-    return _save(fig, path)
+    return results.save_figure(fig, path)

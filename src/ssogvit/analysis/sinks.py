@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ssogvit import results
 from ssogvit.models.maps import record_attention
 
 HIGH_NORM_FACTOR = 3.0
@@ -169,9 +170,7 @@ def plot_sinks(summaries: dict[str, dict], path) -> object:
     light line with small filled markers and each later one a thin line with larger hollow markers drawn on top: a
     line never hides another.
     """
-    from .fields import _pyplot, _save
-
-    plt = _pyplot()
+    plt = results.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1)))]
     for k, (label, s) in enumerate(summaries.items()):
@@ -191,4 +190,4 @@ def plot_sinks(summaries: dict[str, dict], path) -> object:
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    return _save(fig, path)
+    return results.save_figure(fig, path)

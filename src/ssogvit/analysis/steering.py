@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit import results
+
 from ._common import capture_mixer_inputs, is_steered, mixer_rows
 
 
@@ -66,12 +68,10 @@ def steering_stats(model: nn.Module, images: Tensor) -> dict:
 
 def plot_steering(stats: dict, path: str | Path, *, title: str = "") -> Path | None:
     """Gates per mixer (log scale), and mean `|delta mu|` per mixer application with the effective radius."""
-    from .fields import _pyplot, _save
-
     rows = stats["mixers"]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = results.pyplot()
     fig, (ax_g, ax_m) = plt.subplots(1, 2, figsize=(10, 3.4))
     paths = ["mu", "sigma", "lambda"]
     width = 0.8 / len(paths)
@@ -100,4 +100,4 @@ def plot_steering(stats: dict, path: str | Path, *, title: str = "") -> Path | N
     ax_m.set_title("how far steering moves the atom centres", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    return _save(fig, path)
+    return results.save_figure(fig, path)

@@ -14,7 +14,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ._common import is_ssog, mixer_grid
+from ssogvit import results
+from ssogvit.layers import is_ssog
+
+from ._common import mixer_grid
 
 
 @torch.no_grad()
@@ -41,16 +44,13 @@ def eval_size(img_size: int, patch_size: int) -> int:
 def transferred(model: nn.Module, *, patch_size: int, img_size: int, rescale: bool) -> nn.Module:
     """A copy of `model` converted to `patch_size` for `img_size` images; with `rescale`, every SSoG field scaled by
     the grid ratio (evaluation grid over training grid)."""
-    from ssogvit.models.transfer import rescale_field
-
     old = mixer_grid(model)
     m = copy.deepcopy(model)
     if patch_size != m.patch_size:
         m.set_patch_size(patch_size, rescale_field=False)
     if rescale:
         new = (img_size // patch_size, img_size // patch_size)
-        for mixer in m.mixers():
-            rescale_field(mixer, new[0] / old[0], new[1] / old[1])
+        m.rescale_field(new[0] / old[0], new[1] / old[1])
     return m.eval()
 
 
@@ -94,9 +94,7 @@ def transfer_table(
 
 def plot_transfer(tables: dict[str, list[dict]], path) -> object:
     """Top-1 against patch size (left) and image size (right), one line per model and rescaling choice."""
-    from .fields import _pyplot, _save
-
-    plt = _pyplot()
+    plt = results.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, kind, key, xlabel in ((axes[0], "patch", "patch", "patch size (px)"),
                                   (axes[1], "image", "img_size", "image size (px)")):
@@ -116,4 +114,4 @@ def plot_transfer(tables: dict[str, list[dict]], path) -> object:
     axes[0].set_title("other patch sizes, training image size (grey: trained)", fontsize=9)
     axes[1].set_title("other image sizes, training patch size", fontsize=9)
     fig.tight_layout()
-    return _save(fig, path)
+    return results.save_figure(fig, path)

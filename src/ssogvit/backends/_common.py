@@ -16,6 +16,7 @@ __all__ = [
     "functional_only",
     "gaussian_rows_grad",
     "head_grads",
+    "tf32_enabled",
     "prefix_pool",
     "write_prefix_pool",
 ]
@@ -116,3 +117,19 @@ def gaussian_rows_grad(rows: Tensor, z: Tensor, g_rows: Tensor) -> Tensor:
     Flushed entries are zero in ``rows`` and so pass no gradient, as the flush's own derivative says."""
     g_logits = rows * (g_rows - (rows * g_rows).sum(-1, keepdim=True))  # softmax backward
     return -2.0 * z * g_logits  # d(-z^2)/dz
+
+
+def tf32_enabled() -> bool:
+    """Whether torch lets float32 CUDA matmuls use TF32: the newer ``fp32_precision`` settings first (the matmul one,
+    then the global one), the legacy ``allow_tf32`` flag only when both say ``"none"`` (reading the legacy flag
+    raises once a user has set the new one)."""
+    for setting in (
+        getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+        getattr(torch.backends, "fp32_precision", "none"),
+    ):
+        if setting != "none":
+            return setting == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return False

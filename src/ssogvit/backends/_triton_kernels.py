@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import tf32_enabled
+from ._common import tf32_enabled
 
 __all__ = ["OVERRIDE", "fits", "launch_mix", "shared_bytes"]
 

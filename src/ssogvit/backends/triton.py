@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._common import add_prefix_grad, head_grads, write_prefix_pool
+from ._common import add_prefix_grad, head_grads, tf32_enabled, write_prefix_pool
 from .torch import mix_fixed
 
 __all__ = [
@@ -60,22 +60,6 @@ def triton_import_error() -> str | None:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def tf32_enabled() -> bool:
-    """Whether torch lets float32 CUDA matmuls use TF32: the newer ``fp32_precision`` settings first (the matmul one,
-    then the global one), the legacy ``allow_tf32`` flag only when both say ``"none"`` (reading the legacy flag
-    raises once a user has set the new one)."""
-    for setting in (
-        getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
-        getattr(torch.backends, "fp32_precision", "none"),
-    ):
-        if setting != "none":
-            return setting == "tf32"
-    try:
-        return bool(torch.backends.cuda.matmul.allow_tf32)
-    except RuntimeError:
-        return False
 
 
 def _probe(device: torch.device) -> bool:

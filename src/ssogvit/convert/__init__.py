@@ -10,12 +10,12 @@ then distil with ``ConversionModule`` (recipes ``RECIPES``), or run it all with 
 """
 
 from .distill import DEFAULT_RECIPE, RECIPES, ConversionModule, relative_error
-from .fit import FitResult, field_parameters, fit_fields, fit_mixer, format_report, plot_fit
+from .fit import FitResult, fit_fields, fit_mixer, format_report, plot_fit
 from .run import calibration_images, convert, output_folder
 from .student import attention_probs, build_student, check_teacher, load_converted, load_teacher, record_mixer_inputs
 
 __all__ = [
     "DEFAULT_RECIPE", "RECIPES", "ConversionModule", "FitResult", "attention_probs", "build_student",
-    "calibration_images", "check_teacher", "convert", "field_parameters", "fit_fields", "fit_mixer", "format_report",
+    "calibration_images", "check_teacher", "convert", "fit_fields", "fit_mixer", "format_report",
     "load_converted", "load_teacher", "output_folder", "plot_fit", "record_mixer_inputs", "relative_error",
 ]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssogvit.layers import is_ssog
 from ssogvit.train.losses import topk_correct
 
 from .student import record_block_outputs, record_mixer_inputs
@@ -151,13 +152,16 @@ class ConversionModule(pl.LightningModule):
 
     # optimisation -------------------------------------------------------------------------------------------------
     def _param_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
-        """Weight decay on matrices only; the Gaussian fields (``mu, rho, ell, theta`` and the steering gates) without
-        it, at ``field_lr_scale`` times the learning rate (Adam moves a parameter by about the learning rate per step,
-        so at 1e-3 a field fitted wide could not narrow within a short conversion)."""
+        """Weight decay on matrices only; the Gaussian fields (what ``SSoGAttention.no_weight_decay`` names: ``mu, rho,
+        ell, theta`` and the steering gates) without it, at ``field_lr_scale`` times the learning rate (Adam moves a
+        parameter by about the learning rate per step, so at 1e-3 a field fitted wide could not narrow within a short
+        conversion)."""
+        field_names = {f"{prefix}.{name}" for prefix, m in self.model.named_modules() if is_ssog(m)
+                       for name in m.no_weight_decay()}
         decay, no_decay, fields = [], [], []
         for name, p in self.model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("mu", "rho", "ell", "theta") or leaf.startswith("alpha_"):
+            if name in field_names:
                 fields.append(p)
             elif p.ndim <= 1 or leaf in ("pos_embed", "cls_token", "reg_token"):
                 no_decay.append(p)

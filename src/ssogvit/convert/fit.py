@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.results import markdown_table, pyplot, save_figure
 from ssogvit.timm_compat import unique_blocks
 
 from .student import attention_probs, record_mixer_inputs, teacher_grid
 
-__all__ = ["FitResult", "field_parameters", "fit_fields", "fit_mixer", "format_report", "plot_fit"]
+__all__ = ["FitResult", "fit_fields", "fit_mixer", "format_report", "plot_fit"]
 
 _TINY = 1e-30
 
@@ -36,12 +37,6 @@ def _kl_rows(target: Tensor, pred: Tensor) -> Tensor:
 def _patch_matrix(mixer: nn.Module, x: Tensor, grid: tuple[int, int]) -> Tensor:
     p = x.shape[1] - grid[0] * grid[1]
     return mixer.attention_matrix(x, grid)[:, :, p:, p:]  # (B, H, N, N)
-
-
-def field_parameters(mixer: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters that shape an SSoG mixer's field: ``mu, rho, ell, theta`` and, steered, the steering maps and
-    gates (everything but the value and output projections)."""
-    return {n: p for n, p in mixer.named_parameters() if not n.startswith(("v.", "proj."))}
 
 
 def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int], *, steps: int = 300,
@@ -71,7 +66,7 @@ def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int]
     if wide_start:
         with torch.no_grad():
             work.rho.fill_(max(grid) / 2)  # softplus(rho) ~ rho for large rho
-    params = field_parameters(work)
+    params = work.field_parameters()
     opt = torch.optim.Adam(params.values(), lr=lr)
     losses = []
     for _ in range(steps):
@@ -81,7 +76,7 @@ def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int]
         opt.step()
         losses.append(loss.item())
     with torch.no_grad():
-        for name, p in field_parameters(mixer).items():
+        for name, p in mixer.field_parameters().items():
             p.copy_(params[name])
     return losses
 
@@ -166,8 +161,6 @@ def fit_fields(teacher: nn.Module, student: nn.Module, images: Tensor, *, steps:
 
 def format_report(result: FitResult) -> str:
     """A markdown report: one row per head, then the means."""
-    from ssogvit.analysis._common import markdown_table
-
     keys = ("kl", "kl_uniform", "explained", "kl_content", "prefix_mass", "entropy")
     body = [[r["block"], r["head"], *(r[k] for k in keys)] for r in result.rows]
     mean = {k: sum(r[k] for r in result.rows) / max(len(result.rows), 1) for k in keys}
@@ -188,11 +181,7 @@ def format_report(result: FitResult) -> str:
 def plot_fit(result: FitResult, path: str | Path, *, heads: int = 6) -> Path:
     """PNG: for the best- and worst-explained heads, the teacher's attention of the centre query (mean over the
     calibration images, and one image) beside the fitted field's row."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ranked = sorted(result.rows, key=lambda r: -r["explained"] if math.isfinite(r["explained"]) else math.inf)
     chosen = ranked[: (heads + 1) // 2] + [r for r in ranked[-(heads // 2):] if r not in ranked[: (heads + 1) // 2]]
     columns = (("teacher_mean", "teacher, mean"), ("teacher_image", "teacher, one image"), ("field", "fitted field"))
@@ -210,8 +199,4 @@ def plot_fit(result: FitResult, path: str | Path, *, heads: int = 6) -> Path:
             ax.set_title(title, fontsize=8)
         row[0].set_ylabel(f"block {r['block']} head {r['head']}\nexplained {r['explained']:.2f}", fontsize=8)
     fig.suptitle("teacher attention of the centre query (+) and the fitted Gaussian field", fontsize=9)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ssogvit.results import write_json
+
 from .distill import RECIPES, ConversionModule
 from .fit import fit_fields, format_report, plot_fit
 from .student import build_student, load_teacher, teacher_grid
@@ -110,8 +112,6 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
         fit = fit_fields(teacher, student, images, steps=int(c["fit_steps"]), lr=float(c["fit_lr"]))
         (out / "fit").mkdir(exist_ok=True)
         (out / "fit" / "report.md").write_text(format_report(fit))
-        from ssogvit.analysis._common import write_json
-
         write_json(out / "fit" / "report.json", {"grid": fit.grid, "heads": fit.rows})
         plot_fit(fit, out / "fit" / "fields.png")
         fit_summary = {k: sum(r[k] for r in fit.rows) / len(fit.rows) for k in ("kl", "kl_uniform", "explained")}

@@ -147,7 +147,7 @@ def build_student(teacher: nn.Module, *, mixer: str = "ssog", **mixer_options: A
         recipe = {"mixer": mixer, "mixer_options": dict(mixer_options)}
         carried.config_timm = {**getattr(teacher, "config_timm", {}), **recipe}
         return carried.train(teacher.training)
-    from ssogvit.train.module import build_model
+    from ssogvit.train.io import build_model
 
     student = build_model(_student_config(teacher.config, mixer, mixer_options))
     student.load_state_dict(carried.state_dict(), strict=True)

@@ -2,7 +2,7 @@
 
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.registry import MIXERS, create_mixer, list_mixers, mixer_options
-from ssogvit.layers.ssog import SSOG_IMPLS, STEER_PATHS, SSoGAttention
+from ssogvit.layers.ssog import SSOG_IMPLS, STEER_PATHS, SSoGAttention, is_ssog
 
 __all__ = [
     "Attention",
@@ -11,6 +11,7 @@ __all__ = [
     "SSOG_IMPLS",
     "STEER_PATHS",
     "create_mixer",
+    "is_ssog",
     "list_mixers",
     "mixer_options",
 ]

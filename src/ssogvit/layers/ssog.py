@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -11,7 +13,7 @@ from torch import Tensor, nn
 from ssogvit import ops, reference
 from ssogvit.backends.torch import default_head_chunk
 
-__all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS"]
+__all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "is_ssog"]
 
 STEER_PATHS = ("mu", "sigma", "lambda")
 SSOG_IMPLS = ops.SSOG_IMPLS
@@ -263,3 +265,39 @@ class SSoGAttention(nn.Module):
             f"dim={self.dim}, num_heads={self.num_heads}, num_atoms={self.num_atoms}, steer={steer}, "
             f"radius={self.radius}, sigma_min={self.sigma_min}, tau_min={self.tau_min}, impl={self.impl}"
         )
+
+    # -- what the rest of the package asks of an SSoG mixer --------------------------------------------------------
+
+    def no_weight_decay(self) -> set[str]:
+        """Names (within this module, timm's convention) of the parameters that must not decay: the Gaussian field
+        ``mu, rho, ell, theta`` and the steering gates ``alpha_*``."""
+        return {"mu", "rho", "ell", "theta", *(f"alpha_{p}" for p in self.steer)}
+
+    def field_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that shape the field: ``mu, rho, ell, theta`` and, steered, the steering maps and gates
+        (everything but the value and output projections), by name."""
+        return {n: p for n, p in self.named_parameters() if not n.startswith(("v.", "proj."))}
+
+    def rho_for(self, sigma: Tensor) -> Tensor:
+        """The raw widths ``rho`` that give the widths ``sigma``: the inverse of ``ops.field_sigma``.
+
+        A width at or below the floor ``sigma_min + eps_sigma`` cannot be represented and lands just above it.
+        """
+        excess = (sigma - (self.sigma_min + self.eps_sigma)).clamp_min(torch.finfo(sigma.dtype).eps)
+        return excess + torch.log(-torch.expm1(-excess))  # softplus^{-1}(y) = log(exp(y) - 1), stable for large y
+
+    @torch.no_grad()
+    def rescale_field(self, factor_y: float, factor_x: float) -> None:
+        """Scale the field in place by a grid ratio (docs/models.md, patch-size transfer): ``mu`` and ``sigma`` per
+        axis (``sigma`` through ``rho``, see ``rho_for``), the steering radius by the geometric mean of the factors."""
+        if not (factor_y > 0 and factor_x > 0):
+            raise ValueError(f"grid ratios must be positive, got ({factor_y}, {factor_x})")
+        factor = torch.tensor([factor_y, factor_x], dtype=self.mu.dtype, device=self.mu.device)
+        self.rho.copy_(self.rho_for(self.sigma() * factor))
+        self.mu.mul_(factor)
+        self.radius = self.radius * math.sqrt(factor_y * factor_x)
+
+
+def is_ssog(module: nn.Module) -> bool:
+    """Whether ``module`` is an SSoG mixer (``SSoGAttention`` or a subclass such as ``TimmSSoGAttention``)."""
+    return isinstance(module, SSoGAttention)

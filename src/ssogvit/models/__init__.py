@@ -5,7 +5,7 @@ from .looped import Loop, LoopedViT
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
 from .registry import FAMILIES, create_model, from_pretrained, list_models, model_options, parse_model_name, timm_name
-from .transfer import rescale_field, resize_patch_embed, resize_pos_embed
+from .transfer import resize_patch_embed, resize_pos_embed
 from .vit import VisionTransformer
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "model_options",
     "parse_model_name",
     "record_attention",
-    "rescale_field",
     "resize_patch_embed",
     "resize_pos_embed",
     "timm_name",

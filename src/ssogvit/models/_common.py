@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, resample_abs_pos_embed, trunc_normal_
+from timm.layers import DropPath, Mlp, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import checkpoint_seq, save_for_hf
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
-from ssogvit.layers import create_mixer
+from ssogvit.layers import create_mixer, is_ssog
 
 from . import transfer
 
@@ -171,11 +171,12 @@ def _init_linear(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(size, int):
-        return (size, size)
-    h, w = size
-    return (int(h), int(w))
+def _image_size(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """``img_size`` as ``(H, W)``."""
+    pair = tuple(to_2tuple(size))
+    if len(pair) != 2:
+        raise ValueError(f"img_size must be an int or (H, W), got {size!r}")
+    return int(pair[0]), int(pair[1])
 
 
 class VisionTransformerBase(TimmVisionTransformer):
@@ -192,31 +193,68 @@ class VisionTransformerBase(TimmVisionTransformer):
     patch size runs: the patch part of the position embedding is resized bicubically on the fly (the parameter itself
     is unchanged). The class token is there whatever ``global_pool`` says; only the head's input changes. The final
     norm comes before pooling (``fc_norm=False``) for both pools.
+
+    Args:
+        embed_dim: token width ``D``.
+        num_heads: heads ``H``.
+        depth: block applications: blocks ``L`` (vit), loop steps ``T`` (looped), steps of the time grid (ode).
+        mixer: mixer name from the mixer registry (``ssogvit.layers.list_mixers()``).
+        mixer_options: keyword options passed to ``create_mixer`` for every block.
+        img_size: training image size (int or ``(H, W)``); other sizes run with a resized position embedding.
+        patch_size: square patch side.
+        in_chans: image channels.
+        num_classes: classes of the linear head (0: no head).
+        num_registers: register tokens after the class token.
+        global_pool: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the normalised patch
+            tokens (class and register tokens excluded). With SSoG only ``"avg"`` trains the last block's field.
+        drop_path_rate: stochastic depth (what it means is the family's: see ``_steps``).
+        mlp_ratio: MLP hidden width over ``D``.
+        name: registry name recorded in ``config``.
+        **options: the family's own options (``family_options``).
+
+    ``config`` is the one record of how the model was built (``create_model(**config)`` rebuilds it): the name, the
+    options above, the family's options and the mixer options, updated by every in-place conversion.
+
+    A family supplies how its blocks are applied and nothing else: ``family``, ``family_options`` (its own options and
+    their defaults), ``shared_block`` (one block's weights for all ``depth`` applications) and the hooks
+    ``_check_options``, ``_block_norm`` and ``_steps``.
     """
 
-    family: str = ""
+    family: ClassVar[str] = ""
+    #: the family's own constructor options and their defaults, after the shared ones
+    family_options: ClassVar[dict[str, Any]] = {}
+    #: one block's weights applied ``depth`` times (looped, ode) instead of ``depth`` blocks (vit)
+    shared_block: ClassVar[bool] = False
 
     def __init__(
         self,
         *,
-        embed_dim: int,
-        num_heads: int,
-        depth: int,
-        mixer: str,
-        mixer_options: dict[str, Any] | None,
-        img_size: int | tuple[int, int],
-        patch_size: int,
-        in_chans: int,
-        num_classes: int,
-        num_registers: int,
-        global_pool: str,
-        drop_path_rate: float,
-        mlp_ratio: float,
-        name: str | None,
-        config: dict[str, Any],
-        num_blocks: int | None = None,
-        block_norm: Callable[[int], nn.Module] | None = None,
+        embed_dim: int = 768,
+        num_heads: int = 12,
+        depth: int = 12,
+        mixer: str = "mha",
+        mixer_options: dict[str, Any] | None = None,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        num_registers: int = 0,
+        global_pool: str = "token",
+        drop_path_rate: float = 0.0,
+        mlp_ratio: float = 4.0,
+        name: str | None = None,
+        **options: Any,
     ) -> None:
+        unknown = [k for k in options if k not in self.family_options]
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
+        options = self._check_options({**self.family_options, **options}, drop_path_rate=drop_path_rate)
+        mixer_options = dict(mixer_options or {})
+        config = dict(
+            embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
+            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
+            drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio, **options, **mixer_options,
+        )
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if depth < 1:
@@ -227,21 +265,22 @@ class VisionTransformerBase(TimmVisionTransformer):
             raise ValueError(f"num_classes must be >= 0, got {num_classes}")
         if global_pool not in GLOBAL_POOLS:
             raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS}")
-        img_size = _pair(img_size)
+        img_size = _image_size(img_size)
         if patch_size < 1 or img_size[0] < patch_size or img_size[1] < patch_size:
             raise ValueError(f"patch_size {patch_size} does not fit img_size {img_size}")
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
             name = f"{self.family}-{size}-{mixer}"
         context = GridContext(1 + num_registers)
-        block_fn = partial(Block, mixer=mixer, mixer_options=dict(mixer_options or {}), context=context,
-                           block_norm=block_norm)
+        block_fn = partial(Block, mixer=mixer, mixer_options=mixer_options, context=context,
+                           block_norm=self._block_norm(options))
         try:
             super().__init__(
                 img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-                global_pool=global_pool, embed_dim=embed_dim, depth=num_blocks or depth, num_heads=num_heads,
-                mlp_ratio=mlp_ratio, reg_tokens=num_registers, fc_norm=False, dynamic_img_size=True,
-                drop_path_rate=drop_path_rate, weight_init="skip", block_fn=block_fn,
+                global_pool=global_pool, embed_dim=embed_dim, depth=1 if self.shared_block else depth,
+                num_heads=num_heads, mlp_ratio=mlp_ratio, reg_tokens=num_registers, fc_norm=False,
+                dynamic_img_size=True, drop_path_rate=0.0 if self.shared_block else drop_path_rate,
+                weight_init="skip", block_fn=block_fn,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: cannot build mixer {mixer!r} with options {mixer_options}: {err}") from err
@@ -249,7 +288,6 @@ class VisionTransformerBase(TimmVisionTransformer):
         self.num_heads = num_heads
         self.depth = depth
         self.mixer_name = mixer
-        self.mixer_options = dict(mixer_options or {})
         self.img_size = img_size
         self.patch_size = patch_size
         self.num_registers = num_registers
@@ -262,9 +300,27 @@ class VisionTransformerBase(TimmVisionTransformer):
             num_classes=num_classes, first_conv="patch_embed.proj", classifier="head", fixed_input_size=False,
             interpolation="bicubic", crop_pct=1.0, license="apache-2.0",
         )
+        self._set_steps(self._steps(self.blocks, drop_path_rate=drop_path_rate))
+        self.init_weights()
+
+    # -- what a family supplies ------------------------------------------------------------------------------------
+
+    def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:
+        """Validate the family's options (all of ``family_options``, given or default) before anything is built;
+        returns them as they go into ``config``."""
+        return options
+
+    def _block_norm(self, options: dict[str, Any]) -> Callable[[int], nn.Module] | None:
+        """What builds the block's norms ``N1``, ``N2`` (``None``: timm's LayerNorm)."""
+        return None
+
+    def _steps(self, blocks: nn.Sequential, *, drop_path_rate: float) -> nn.Module:
+        """The sequence of ``depth`` block applications built from timm's blocks (``depth`` blocks, or one with
+        ``shared_block``); the discrete ViT applies each block once, with timm's linearly rising drop path."""
+        return blocks
 
     def _set_steps(self, blocks: nn.Module) -> None:
-        """Install the family's block sequence; timm's feature_info lists one entry per block application."""
+        """Install a block sequence; timm's feature_info lists one entry per block application."""
         self.blocks = blocks
         self.feature_info = [
             dict(module=f"blocks.{i}", num_chs=self.embed_dim, reduction=self.patch_size) for i in range(self.depth)
@@ -302,14 +358,12 @@ class VisionTransformerBase(TimmVisionTransformer):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Full names of parameters excluded from weight decay: tokens, position embedding, norms, biases (every
-        parameter with at most one dimension, steering gates included) and the SSoG field ``mu, rho, ell, theta``."""
+        parameter with at most one dimension) and what each SSoG mixer names (``SSoGAttention.no_weight_decay``)."""
         skip = {"pos_embed", "cls_token", "reg_token"}
-        field = {"mu", "rho", "ell", "theta"}
-        return {
-            name
-            for name, p in self.named_parameters()
-            if p.ndim <= 1 or name in skip or name.rsplit(".", 1)[-1] in field
-        }
+        for prefix, module in self.named_modules():
+            if is_ssog(module):
+                skip |= {f"{prefix}.{name}" for name in module.no_weight_decay()}
+        return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in skip}
 
     def prune_intermediate_layers(
         self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
@@ -412,14 +466,20 @@ class VisionTransformerBase(TimmVisionTransformer):
             pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, new_grid, num_prefix_tokens=1)
         self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
         if rescale_field:
-            fy, fx = new_grid[0] / old_grid[0], new_grid[1] / old_grid[1]
-            for mixer in self.mixers():
-                transfer.rescale_field(mixer, fy, fx)
-            if self.mixers() and getattr(self.mixers()[0], "steer", ()):
-                # The radius is an option, not a parameter: record it so create_model(**config) rebuilds this model.
-                self.mixer_options["radius"] = self.config["radius"] = self.mixers()[0].radius
+            self.rescale_field(new_grid[0] / old_grid[0], new_grid[1] / old_grid[1])
         self.patch_size = patch_size
         self.config["patch_size"] = patch_size
+
+    def rescale_field(self, factor_y: float, factor_x: float) -> None:
+        """Scale every SSoG field by a grid ratio in place (``SSoGAttention.rescale_field``), so each Gaussian covers
+        the same image area on a grid ``factor`` times finer; a model without SSoG is left alone. The steering
+        radius is an option, not a parameter: it is recorded in ``config`` so ``create_model(**config)`` rebuilds
+        this model."""
+        ssog = [m for m in self.mixers() if is_ssog(m)]
+        for mixer in ssog:
+            mixer.rescale_field(factor_y, factor_x)
+        if ssog and ssog[0].steer:
+            self.config["radius"] = ssog[0].radius
 
     def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size: int | None = None) -> None:
         """timm's: make ``img_size`` (and ``patch_size``, see ``set_patch_size``) the model's own, resizing the
@@ -431,11 +491,12 @@ class VisionTransformerBase(TimmVisionTransformer):
         if img_size is None:
             return
         old_grid = self.grid_size
-        self.patch_embed.set_input_size(img_size=_pair(img_size))
+        img_size = _image_size(img_size)
+        self.patch_embed.set_input_size(img_size=img_size)
         with torch.no_grad():
             pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, self.grid_size, num_prefix_tokens=1)
         self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
-        self.img_size = _pair(img_size)
+        self.img_size = img_size
         self.config["img_size"] = self.img_size
         self.pretrained_cfg = {**self.pretrained_cfg, "input_size": (self.in_chans, *self.img_size)}
 

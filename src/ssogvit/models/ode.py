@@ -7,7 +7,7 @@ is exactly a stack of ``NFE`` residual steps ``z <- z + Mixer(N1(z)) + MLP(N2(z)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,29 +136,16 @@ class Flow(nn.Module):
 class ODEViT(VisionTransformerBase):
     """Continuous-depth ViT with one block's weights as an autonomous vector field.
 
-    Args:
-        embed_dim: token width ``D``.
-        num_heads: heads ``H``.
-        depth: steps of the uniform time grid (``NFE`` for Euler; ``rk4`` makes 4 evaluations per step). For adaptive
-            solvers it only sets the default ``scale``.
-        mixer: mixer name from the mixer registry.
-        mixer_options: keyword options passed to ``create_mixer``.
-        img_size: training image size (int or ``(H, W)``).
-        patch_size: square patch side.
-        in_chans: image channels.
-        num_classes: classes of the linear head (0: no head).
-        num_registers: register tokens after the class token.
-        global_pool: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the normalised patch
-            tokens (class and register tokens excluded).
-        drop_path_rate: must be 0 (stochastic depth has no meaning inside an ODE solve).
-        mlp_ratio: MLP hidden width over ``D``.
-        solver: a torchdiffeq method, one of ``FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS``.
-        scale: ``s`` in ``f``; ``None`` means ``depth``, so Euler reproduces a residual stack.
-        norm: ``"layernorm"`` or ``"centernorm"`` for ``N1``, ``N2`` (the final norm is always LayerNorm).
-        rtol: relative tolerance of adaptive solvers.
-        atol: absolute tolerance of adaptive solvers.
-        adjoint: backpropagate with the adjoint method (``odeint_adjoint``), constant memory in the number of steps.
-        name: registry name recorded in ``config``.
+    The shared options are the base's (``VisionTransformerBase``); ``depth`` is the number of steps of the uniform
+    time grid (``NFE`` for Euler; ``rk4`` makes 4 evaluations per step; for adaptive solvers it only sets the default
+    ``scale``) and ``drop_path_rate`` must be 0 (stochastic depth has no meaning inside an ODE solve). The family's
+    own options (``family_options``):
+
+    - ``solver``: a torchdiffeq method, one of ``FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS``;
+    - ``scale``: ``s`` in ``f``; ``None`` means ``depth``, so Euler reproduces a residual stack;
+    - ``norm``: ``"layernorm"`` or ``"centernorm"`` for ``N1``, ``N2`` (the final norm is always LayerNorm);
+    - ``rtol``, ``atol``: tolerances of adaptive solvers;
+    - ``adjoint``: backpropagate with the adjoint method (``odeint_adjoint``), constant memory in the number of steps.
 
     After each forward, ``nfe`` holds the number of evaluations of ``f`` that the forward solve made. ``blocks`` is a
     ``Flow``: to timm's API the ``depth`` grid steps are the model's blocks (an intermediate is the state at
@@ -166,73 +153,47 @@ class ODEViT(VisionTransformerBase):
     """
 
     family = "ode"
+    family_options = dict(solver="euler", scale=None, norm="layernorm", rtol=1e-3, atol=1e-4, adjoint=False)
+    shared_block = True
 
-    def __init__(
-        self,
-        *,
-        embed_dim: int = 768,
-        num_heads: int = 12,
-        depth: int = 12,
-        mixer: str = "mha",
-        mixer_options: dict[str, Any] | None = None,
-        img_size: int | tuple[int, int] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        num_classes: int = 1000,
-        num_registers: int = 0,
-        global_pool: str = "token",
-        drop_path_rate: float = 0.0,
-        mlp_ratio: float = 4.0,
-        solver: str = "euler",
-        scale: float | None = None,
-        norm: str = "layernorm",
-        rtol: float = 1e-3,
-        atol: float = 1e-4,
-        adjoint: bool = False,
-        name: str | None = None,
-    ) -> None:
+    def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:
+        solver, norm, rtol, atol = options["solver"], options["norm"], options["rtol"], options["atol"]
         if solver not in FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; expected one of {FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS}")
-        norm_key = norm.lower()
-        if norm_key not in NORMS:
+        if norm.lower() not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; expected one of {tuple(NORMS)}")
         if drop_path_rate:
             raise ValueError("drop_path_rate is not supported by the ode family (must be 0)")
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"rtol and atol must be > 0, got rtol={rtol}, atol={atol}")
-        config = dict(
-            embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
-            in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
-            drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio, solver=solver, scale=scale, norm=norm_key, rtol=rtol,
-            atol=atol, adjoint=adjoint,
-            **(mixer_options or {}),
-        )
-        super().__init__(
-            embed_dim=embed_dim, num_heads=num_heads, depth=depth, mixer=mixer, mixer_options=mixer_options,
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            num_registers=num_registers, global_pool=global_pool, drop_path_rate=0.0, mlp_ratio=mlp_ratio,
-            name=name, config=config, num_blocks=1, block_norm=NORMS[norm_key],
-        )
-        self.solver = solver
-        self.scale = float(depth if scale is None else scale)
-        self.norm_name = norm_key
-        self.rtol = rtol
-        self.atol = atol
-        self.adjoint = adjoint
-        self._set_steps(
-            Flow(self.blocks[0], total=depth, solver=solver, scale=self.scale, rtol=rtol, atol=atol, adjoint=adjoint)
-        )
-        self.init_weights()
+        return {**options, "norm": norm.lower()}
+
+    def _block_norm(self, options: dict[str, Any]) -> Callable[[int], nn.Module]:
+        return NORMS[options["norm"]]
+
+    def _steps(self, blocks: nn.Sequential, *, drop_path_rate: float) -> Flow:
+        scale = self.config["scale"]
+        return self._flow(blocks[0], self.depth, float(self.depth if scale is None else scale))
+
+    def _flow(self, block: Block, depth: int, scale: float) -> Flow:
+        c = self.config
+        return Flow(block, total=depth, solver=c["solver"], scale=scale, rtol=c["rtol"], atol=c["atol"],
+                    adjoint=c["adjoint"])
 
     def _set_depth(self, depth: int) -> None:
         # The first ``depth`` of ``total`` steps integrate to t = depth / total: the same flow as ``depth`` steps on
         # [0, 1] with the scale multiplied by depth / total (so ``create_model(**config)`` rebuilds the pruned model).
-        self.scale = self.config["scale"] = self.scale * depth / self.blocks.total
-        self.blocks = Flow(
-            self.blocks.block, total=depth, solver=self.solver, scale=self.scale, rtol=self.rtol, atol=self.atol,
-            adjoint=self.adjoint,
-        )
+        self.config["scale"] = self.scale * depth / self.blocks.total
+        self.blocks = self._flow(self.blocks.block, depth, self.config["scale"])
         super()._set_depth(depth)
+
+    # the family's options, as the flow holds them
+    solver = property(lambda self: self.blocks.solver, doc="The torchdiffeq method.")
+    scale = property(lambda self: self.blocks.scale, doc="``s`` in ``f``.")
+    rtol = property(lambda self: self.blocks.rtol, doc="Relative tolerance of adaptive solvers.")
+    atol = property(lambda self: self.blocks.atol, doc="Absolute tolerance of adaptive solvers.")
+    adjoint = property(lambda self: self.blocks.adjoint, doc="Whether the backward uses the adjoint method.")
+    norm_name = property(lambda self: self.config["norm"], doc="The norm of ``N1``, ``N2`` in the field.")
 
     @property
     def nfe(self) -> int:

@@ -57,8 +57,10 @@ def parse_model_name(name: str) -> tuple[str, str, str]:
 
 def model_options(family: str) -> list[str]:
     """Keyword options of a family's constructor that ``create_model`` accepts (mixer options come on top)."""
-    params = inspect.signature(FAMILIES[family].__init__).parameters
-    return [p for p in params if p != "self" and p not in _SET_BY_NAME]
+    cls = FAMILIES[family]
+    params = inspect.signature(cls.__init__).parameters.values()
+    shared = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in _SET_BY_NAME]
+    return [*shared, *cls.family_options]
 
 
 def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:

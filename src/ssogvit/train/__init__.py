@@ -1,9 +1,9 @@
 """Training pipeline: Lightning module, Hydra configs, checkpoints (`io.load_model`), the main job and the CLI."""
 
 from .errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
-from .io import export_safetensors, load_model, read_model_config, read_state_dict
+from .io import build_model, count_parameters, export_safetensors, load_model, read_model_config, read_state_dict
 from .losses import jasmin_penalty, softmax_jacobian_estimate, topk_correct
-from .module import ClassificationModule, build_model, count_parameters
+from .module import ClassificationModule
 
 __all__ = [
     "CheckpointError", "ConfigError", "NonFiniteError", "RunFolderError", "TrainError", "ClassificationModule",

@@ -8,60 +8,13 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "report_errors", "user_errors",
-           "format_error", "run_config_command"]
+import yaml
 
+from ssogvit.errors import report_errors
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+from .config import split_override
 
-    from ssogvit.data import DataError
-    from ssogvit.errors import UsageError
-
-    from .errors import TrainError
-
-    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
-
-
-def format_error(prog: str, err: BaseException) -> str:
-    """`prog: <message>`: the first two lines of the error's message on one line.
-
-    An error raised in a data-loading worker arrives as `Caught <Error> in DataLoader worker...` followed by the
-    worker's traceback; its own message is the traceback's last line. A config Hydra cannot find is named with the
-    closest of the options it had.
-    """
-    from hydra.errors import MissingConfigException
-
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
-        lines = [lines[-1].split(": ", 1)[-1]]
-    if isinstance(err, MissingConfigException) and err.options:
-        import difflib
-
-        asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]
-        close = difflib.get_close_matches(asked, err.options, n=3, cutoff=0.5)
-        more = ", ..." if len(err.options) > 8 else ""
-        hint = f"did you mean {' or '.join(close)}?" if close else f"options: {', '.join(err.options[:8])}{more}"
-        lines = [lines[0].split(" Available options")[0] + ";", f"{hint} (`ssogvit list` shows all)"]
-    return f"{prog}: " + " ".join(lines[:2])
-
-
-def report_errors(prog: str, run) -> int:
-    """`run()`'s exit status, or 2 with `prog: <message>` (at most two lines, no traceback) on a user error.
-
-    With `--debug` or `SSOGVIT_DEBUG=1` the error is raised with its traceback instead.
-    """
-    from ssogvit.cli import debug_enabled
-
-    try:
-        return int(run() or 0)
-    except user_errors() as err:
-        if debug_enabled():
-            raise
-        print(format_error(prog, err), file=sys.stderr)
-        return 2
+__all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "run_config_command"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -108,6 +61,31 @@ def _train(cfg, *, fresh_output: bool = False) -> int:
     return 0
 
 
+#: command -> (description, help of --ckpt) of the commands that start from a checkpoint
+_CHECKPOINT_COMMANDS: dict[str, tuple[str, str | None]] = {
+    "transfer": (
+        ("Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's command line "
+         "as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), -m sweeps, "
+         "--cfg job."),
+        "source .ckpt or .safetensors",
+    ),
+    "eval": (
+        ("Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another image size or "
+         "patch size. Remaining arguments are Hydra overrides for the data (default: the data config saved with the "
+         "run, e.g. data.root=/elsewhere)."),
+        None,
+    ),
+}
+
+
+def _checkpoint_parser(command: str) -> ArgumentParser:
+    """The parser of ``ssogvit <command>``, a command that starts from a checkpoint: ``--ckpt PATH``, required."""
+    description, ckpt_help = _CHECKPOINT_COMMANDS[command]
+    parser = ArgumentParser(prog=f"ssogvit {command}", description=description)
+    parser.add_argument("--ckpt", required=True, help=ckpt_help)
+    return parser
+
+
 def _source_tag(ckpt: str) -> str:
     """A folder-name tag for a source checkpoint: its run folder and file stem (`digits_vit_ssog_best`)."""
     import re
@@ -120,13 +98,7 @@ def _source_tag(ckpt: str) -> str:
 
 def transfer_main(argv: list[str]) -> int:
     """`ssogvit transfer --ckpt PATH [--mode linear|finetune] [--use-ema] overrides...`"""
-    parser = ArgumentParser(
-        prog="ssogvit transfer",
-        description="Linear probe or fine-tune a trained model on another dataset. Remaining arguments are Hydra's "
-        "command line as for `ssogvit train`: overrides (e.g. data=cifar100 data.root=... trainer.max_epochs=10), "
-        "-m sweeps, --cfg job.",
-    )
-    parser.add_argument("--ckpt", required=True, help="source .ckpt or .safetensors")
+    parser = _checkpoint_parser("transfer")
     parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights of the source checkpoint")
     args, overrides = parser.parse_known_args(argv)
@@ -137,7 +109,7 @@ def transfer_main(argv: list[str]) -> int:
         base += ["mixup.mixup_alpha=0.0", "mixup.cutmix_alpha=0.0"]
     # Without an explicit output_dir a transfer picks a fresh folder (runs/<name>, runs/<name>-2, ...); with one, the
     # folder rules of `ssogvit train` apply (resume its unfinished run, refuse a finished or different one).
-    fresh = not any(o.split("=", 1)[0].lstrip("+") == "output_dir" for o in overrides)
+    fresh = not any(split_override(o)[0] == "output_dir" for o in overrides)
     return run_config_command("ssogvit transfer", overrides, functools.partial(_train, fresh_output=fresh),
                               overrides=base)
 
@@ -180,13 +152,7 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
 
 def eval_main(argv: list[str]) -> int:
     """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
-    parser = ArgumentParser(
-        prog="ssogvit eval",
-        description="Evaluate a checkpoint (.ckpt or .safetensors) on its validation set, optionally at another "
-        "image size or patch size. Remaining arguments are Hydra overrides for the data (default: the data config "
-        "saved with the run, e.g. data.root=/elsewhere).",
-    )
-    parser.add_argument("--ckpt", required=True)
+    parser = _checkpoint_parser("eval")
     parser.add_argument("--img-size", type=_positive_int, default=None,
                         help="evaluate at this image size (dynamic resolution)")
     parser.add_argument("--patch-size", type=_positive_int, default=None,
@@ -214,7 +180,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from .errors import ConfigError
     from .io import load_model
 
-    other = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith("data") or "=" not in o]
+    other = [o for o in overrides if not split_override(o)[0].startswith("data") or "=" not in o]
     if other:
         raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "
                           f"(data.root=... data.batch_size=...)")
@@ -234,11 +200,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"image size {size} is not a multiple of the patch size {patch}; use --img-size "
                           f"{' or '.join(map(str, near))}, or another --patch-size")
     if args.rescale_field:
-        from ssogvit.models.transfer import rescale_field
-
-        grid = (size // patch, size // patch)
-        for mixer in model.mixers():
-            rescale_field(mixer, grid[0] / trained_grid[0], grid[1] / trained_grid[1])
+        model.rescale_field(size // patch / trained_grid[0], size // patch / trained_grid[1])
     from ssogvit.data import create_datamodule
 
     try:
@@ -298,21 +260,15 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
         node = OmegaConf.create({"data": data})
         OmegaConf.set_struct(node, True)  # a key the saved data config lacks is an error, not a silent addition
         for o in data_overrides:
-            key, value = o.split("=", 1)
+            key, value = split_override(o)
             try:
-                OmegaConf.update(node, key.lstrip("+"), value if key.lstrip("+") in PATH_KEYS else _parse_value(value))
+                OmegaConf.update(node, key, value if key in PATH_KEYS else yaml.safe_load(value))
             except Exception as err:  # noqa: BLE001 - OmegaConf's key and validation errors
                 raise ConfigError(f"cannot apply {o}: {str(err).splitlines()[0]}") from None
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size
     return data
-
-
-def _parse_value(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def list_main(argv: list[str]) -> int:

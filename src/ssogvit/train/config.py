@@ -12,7 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from .errors import ConfigError
 
 __all__ = [
-    "compose", "quote_override", "list_experiments", "experiment_meta", "experiment_rows", "unset_details",
+    "compose", "quote_override", "split_override", "list_experiments", "experiment_meta", "experiment_rows",
+    "unset_details",
     "model_config_from", "IncompleteExperimentError", "CONFIG_MODULE", "PATH_KEYS", "check_run_config",
     "RUN_CONFIG_RULES", "check_complete",
 ]
@@ -38,6 +39,14 @@ def _hydra_quoted(value: str) -> str:
         backslashes = 0
     out.append("\\" * (2 * backslashes))  # trailing backslashes precede the closing quote
     return "'" + "".join(out) + "'"
+
+
+def split_override(override: str) -> tuple[str, str | None]:
+    """The one reading of `KEY=VALUE` (a Hydra override, or an option such as `--model-kw`): `(KEY, VALUE)`, the key
+    without Hydra's prefixes (`+data.root=/x` -> `data.root`, `~ema` -> `ema`), the value as written (`None` without
+    a `=`)."""
+    key, sep, value = override.partition("=")
+    return key.lstrip("+~"), value if sep else None
 
 
 def quote_override(override: str) -> str:
@@ -87,8 +96,8 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=overrides)
-    exp = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment"), None)
-    if exp and not any(o.split("=", 1)[0].lstrip("+") == "name" for o in overrides):
+    exp = next((value for key, value in map(split_override, overrides) if key == "experiment"), None)
+    if exp and not any(split_override(o)[0] == "name" for o in overrides):
         OmegaConf.update(cfg, "name", exp.split("/")[-1], force_add=True)
     if not allow_unset:
         check_complete(cfg)

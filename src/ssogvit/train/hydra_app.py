@@ -3,7 +3,7 @@
 `hydra_command(prog, argv, task)` gives a command Hydra's whole command line over the packaged config
 (`ssogvit/conf`): overrides, `-m/--multirun` sweeps with any launcher (`hydra/launcher=submitit_slurm`), `--cfg job`,
 `--resolve`, `--help`, `--info`. Each job's config reaches `task(cfg)`; a user error raised there (or by Hydra while
-composing) propagates to the caller, which reports it in one or two lines (`ssogvit.train.cli.report_errors`).
+composing) propagates to the caller, which reports it in one or two lines (`ssogvit.errors.report_errors`).
 
 Where runs write (`hydra:` in `ssogvit/conf/config.yaml`): Hydra itself writes nothing into a single run's folder (the
 run checks its folder before writing, see docs/training.md); in a sweep each job writes to its own folder,
@@ -20,12 +20,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["hydra_command", "override_key"]
+from .config import split_override
 
-
-def override_key(override: str) -> str:
-    """The config key an override sets: `+data.root=/x` -> `data.root`, `~ema` -> `ema`."""
-    return override.split("=", 1)[0].lstrip("+~")
+__all__ = ["hydra_command"]
 
 
 def _job_config(cfg: DictConfig) -> DictConfig:
@@ -34,7 +31,7 @@ def _job_config(cfg: DictConfig) -> DictConfig:
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
-    sets_output = any(override_key(o) == "output_dir" for o in hydra_cfg.overrides.task)
+    sets_output = any(split_override(o)[0] == "output_dir" for o in hydra_cfg.overrides.task)
     if hydra_cfg.mode == RunMode.MULTIRUN and not sets_output:
         OmegaConf.update(cfg, "output_dir", str(hydra_cfg.runtime.output_dir))
     return cfg
@@ -48,7 +45,8 @@ def _job_label() -> str:
 
 def _raise_failures(failures: list[tuple[str, BaseException]], *, multirun: bool) -> None:
     """Re-raise a run's error as it was; for a sweep, one error naming the failed jobs (a bug is raised as it is)."""
-    from .cli import user_errors
+    from ssogvit.errors import user_errors
+
     from .errors import TrainError
 
     if not failures:

@@ -26,10 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ssogvit.models import create_model, list_models
+
 from .errors import CheckpointError
 
 __all__ = [
-    "CheckpointError", "load_model", "read_checkpoint", "read_state_dict", "read_model_config", "check_checkpoint",
+    "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
+    "read_model_config", "check_checkpoint",
     "check_model_config", "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "MODEL_LIMITS", "MAX_PARAMETERS",
 ]
@@ -112,14 +115,25 @@ def _read_export_config(path: Path) -> dict[str, Any]:
     raise CheckpointError(f"no config for {path}: expected {path.with_suffix('.json')} beside it")
 
 
+def build_model(model_config: Mapping[str, Any]) -> nn.Module:
+    """`create_model(**model_config)`; the dict is what a model's `.config` holds (its name and keyword args)."""
+    config = dict(model_config)
+    if isinstance(config.get("steer"), list):
+        config["steer"] = tuple(config["steer"])
+    return create_model(**config)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
 def check_model_config(config: Any, *, source: str | Path = "the model config") -> dict[str, Any]:
     """`config` if it names a known model within `MODEL_LIMITS` and `MAX_PARAMETERS`; `CheckpointError` otherwise.
 
     Run on every config read from a file before a model is built from it: the parameter count is that of the model
     built on the meta device (shapes only, no memory).
     """
-    from ssogvit.models import list_models
-
     if not isinstance(config, dict) or not isinstance(config.get("name"), str):
         raise CheckpointError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}")
     if config["name"] not in list_models():
@@ -130,8 +144,6 @@ def check_model_config(config: Any, *, source: str | Path = "the model config") 
         for v in values if value is not None else []:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
                 raise CheckpointError(f"{source}: model_config {key}={value!r} is outside the limits [{low}, {high}]")
-    from .module import build_model, count_parameters
-
     try:
         with torch.device("meta"):
             n = count_parameters(build_model(config))
@@ -184,8 +196,6 @@ def load_model(path: str | Path, map_location: str | torch.device = "cpu", *, us
     Nothing from the file is executed: the checkpoint is read with `weights_only=True`, the model is built by
     `create_model(**config)` and the weights are loaded strictly. Returns the model in eval mode.
     """
-    from .module import build_model
-
     state, config = read_state_dict(path, use_ema=use_ema, map_location=map_location)
     model = build_model(config)
     try:

@@ -35,7 +35,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from .cli import ArgumentParser, report_errors
+    from ssogvit.errors import report_errors
+
+    from .cli import ArgumentParser
 
     parser = ArgumentParser(
         prog="ssogvit main",

@@ -17,26 +17,13 @@ from torch import Tensor, nn
 from ssogvit.models.maps import record_attention
 
 from .errors import NonFiniteError
+from .io import build_model, read_state_dict
 from .losses import attention_penalty, jasmin_options, topk_correct
 from .resume import rng_state, set_rng_state
 
-__all__ = ["ClassificationModule", "build_model", "count_parameters", "scaled_lr", "step_cosine_schedule", "TOPK"]
+__all__ = ["ClassificationModule", "scaled_lr", "step_cosine_schedule", "TOPK"]
 
 TOPK = (1, 3, 5)
-
-
-def build_model(model_config: Mapping[str, Any]) -> nn.Module:
-    """`create_model(**model_config)`; the dict is what a model's `.config` holds (its name and keyword args)."""
-    from ssogvit.models import create_model
-
-    config = dict(model_config)
-    if isinstance(config.get("steer"), list):
-        config["steer"] = tuple(config["steer"])
-    return create_model(**config)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def scaled_lr(optim: Mapping[str, Any], batch_size: int, trainer: Any) -> float:
@@ -112,8 +99,6 @@ class ClassificationModule(pl.LightningModule):
 
     # transfer -----------------------------------------------------------------------------------------------------
     def _load_source(self, path: str, *, use_ema: bool) -> None:
-        from .io import read_state_dict
-
         state, _ = read_state_dict(path, use_ema=use_ema)
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
         missing, unexpected = self.model.load_state_dict(state, strict=False)

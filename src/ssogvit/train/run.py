@@ -27,8 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
 from .errors import ConfigError, TrainError
-from .io import atomic_checkpoint_io, atomic_write, check_checkpoint, export_safetensors, read_model_config
-from .module import ClassificationModule, count_parameters
+from .io import (
+    atomic_checkpoint_io,
+    atomic_write,
+    check_checkpoint,
+    count_parameters,
+    export_safetensors,
+    read_model_config,
+)
+from .module import ClassificationModule
 from .resume import EpochEndCheckpoint, check_resumable, save_resumable
 from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
 

@@ -1,0 +1,75 @@
+"""Writing results: JSON files, Markdown tables and figures, for the analyses and the conversion report."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["fmt", "markdown_table", "pyplot", "save_figure", "write_json", "write_markdown"]
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """``data`` as indented JSON (tensors as lists, paths as strings); creates the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if isinstance(v, Path):
+        return str(v)
+    raise TypeError(f"not JSON serialisable: {type(v)}")
+
+
+def write_markdown(path: str | Path, text: str) -> Path:
+    """``text`` to ``path``; creates the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def fmt(v: Any, digits: int = 3) -> str:
+    """A table cell: floats to ``digits`` significant decimals, ``None``/NaN as an em dash."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if v == 0 or 0.01 <= abs(v) < 1e5 else f"{v:.3g}"
+    return str(v)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A Markdown table, cells formatted by ``fmt``."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")  # a literal bar (|x|, ||J||) must not split the cell
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(fmt(c)) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the headless Agg backend (imported on first use: plotting is optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Save ``fig`` as ``path`` (110 dpi), creating the folder, and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path

@@ -1,0 +1,222 @@
+"""What is SSoG-specific lives in ``SSoGAttention`` and the rest asks it; one model constructor; one reading of
+``KEY=VALUE``; no import cycles (docs/models.md)."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import ssogvit
+from ssogvit import ops
+from ssogvit.cli import main as ssogvit_main
+from ssogvit.layers import Attention, SSoGAttention, is_ssog
+from ssogvit.models import FAMILIES, LoopedViT, ODEViT, VisionTransformer, create_model, model_options
+from ssogvit.timm_compat import ssogify
+from ssogvit.train.config import split_override
+
+TINY = {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 3, "embed_dim": 24, "num_heads": 3}
+
+
+def _mixer(**kw) -> SSoGAttention:
+    torch.manual_seed(0)
+    m = SSoGAttention(12, 3, num_atoms=2, **kw).double()
+    with torch.no_grad():
+        m.rho.uniform_(0.0, 3.0)  # widths >= 0.94: halved, still above the floor 0.25
+    return m
+
+
+# -- SSoGAttention owns the field's transfer and its weight-decay names ----------------------------------------------
+
+
+def test_rescale_field_scales_centres_and_widths_per_axis_and_the_radius_by_the_geometric_mean():
+    m = _mixer(steer="all", radius=3.0)
+    mu, sigma = m.mu.detach().clone(), m.sigma().detach().clone()
+    m.rescale_field(2.0, 0.5)
+    factor = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(m.mu.detach(), mu * factor, rtol=0, atol=0)
+    torch.testing.assert_close(m.sigma().detach(), sigma * factor, rtol=1e-12, atol=1e-12)
+    assert m.radius == pytest.approx(3.0 * math.sqrt(2.0 * 0.5), rel=1e-15)
+
+
+def test_rescale_field_clamps_a_width_below_the_floor_just_above_it_and_refuses_non_positive_ratios():
+    m = _mixer()
+    m.rescale_field(1e-3, 1e-3)
+    floor = m.sigma_min + m.eps_sigma
+    sigma = m.sigma().detach()
+    assert torch.isfinite(m.rho).all() and (sigma > floor).all() and (sigma < floor + 1e-6).all()
+    for bad in ((0.0, 1.0), (1.0, -2.0), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="grid ratios must be positive"):
+            m.rescale_field(*bad)
+
+
+def test_rho_for_is_the_inverse_of_the_width_formula_in_float64():
+    m = _mixer()
+    rho = torch.linspace(-15.0, 30.0, 181, dtype=torch.float64)
+    torch.testing.assert_close(m.rho_for(ops.field_sigma(rho, m.sigma_min, m.eps_sigma)), rho, rtol=1e-9, atol=1e-9)
+
+
+def test_no_weight_decay_names_the_field_and_the_gates_of_the_enabled_paths():
+    fixed, steered = _mixer(), _mixer(steer=("mu", "lambda"))
+    assert fixed.no_weight_decay() == {"mu", "rho", "ell", "theta"}
+    assert steered.no_weight_decay() == {"mu", "rho", "ell", "theta", "alpha_mu", "alpha_lambda"}
+    assert steered.no_weight_decay() <= dict(steered.named_parameters()).keys()
+
+
+def test_field_parameters_are_all_but_the_value_and_output_projections():
+    fixed, steered = _mixer(), _mixer(steer=("mu",))
+    assert list(fixed.field_parameters()) == ["mu", "rho", "ell", "theta"]
+    assert set(steered.field_parameters()) == {"mu", "rho", "ell", "theta", "alpha_mu", "mu_steer.weight",
+                                               "mu_steer.bias"}
+    assert all(p is dict(steered.named_parameters())[n] for n, p in steered.field_parameters().items())
+
+
+def test_the_model_excludes_exactly_what_its_mixers_name_plus_tokens_and_one_dimensional_parameters():
+    model = create_model("looped-tiny-ssog-steered", **TINY, num_registers=1)
+    names = dict(model.named_parameters())
+    field = {f"blocks.0.attn.{n}" for n in model.mixers()[0].no_weight_decay()}
+    expected = {n for n, p in names.items() if p.ndim <= 1} | {"pos_embed", "cls_token", "reg_token"} | field
+    assert model.no_weight_decay() == expected
+    assert "blocks.0.attn.mu" in expected and "blocks.0.attn.ell" in expected  # 3-D and 2-D, named by the mixer
+
+
+def test_is_ssog_is_the_class_not_the_attribute_names():
+    timm_vit = ssogify(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                                         num_classes=3, dynamic_img_size=True))
+    assert is_ssog(SSoGAttention(12, 3)) and all(is_ssog(b.attn) for b in timm_vit.blocks)
+    assert not is_ssog(Attention(12, 3))
+    assert not is_ssog(timm.layers.Attention(12, 3))
+    impostor = torch.nn.Module()
+    impostor.mu, impostor.rho, impostor.ell = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    impostor.mixture = lambda: None
+    assert not is_ssog(impostor)
+
+
+# -- the model asks its mixers ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_model_rescale_field_rescales_every_ssog_mixer_and_records_the_radius(family):
+    model = create_model(f"{family}-tiny-ssog-steered", **TINY, radius=2.0).double()
+    before = [(m.mu.detach().clone(), m.sigma().detach().clone()) for m in model.mixers()]
+    model.rescale_field(2.0, 2.0)
+    for m, (mu, sigma) in zip(model.mixers(), before):
+        torch.testing.assert_close(m.mu.detach(), 2 * mu, rtol=0, atol=0)
+        torch.testing.assert_close(m.sigma().detach(), 2 * sigma, rtol=1e-12, atol=1e-12)
+        assert m.radius == 4.0
+    assert model.config["radius"] == 4.0
+    twin = create_model(**model.config)
+    assert all(m.radius == 4.0 for m in twin.mixers())
+
+
+def test_model_rescale_field_leaves_attention_models_and_the_fixed_field_config_alone():
+    mha = create_model("vit-tiny-mha", **TINY)
+    state, config = {k: v.clone() for k, v in mha.state_dict().items()}, dict(mha.config)
+    mha.rescale_field(2.0, 2.0)
+    assert mha.config == config and all(torch.equal(v, state[k]) for k, v in mha.state_dict().items())
+    fixed = create_model("vit-tiny-ssog", **TINY)
+    fixed.rescale_field(2.0, 2.0)
+    assert "radius" not in fixed.config  # the radius only matters to steering
+
+
+# -- one constructor --------------------------------------------------------------------------------------------------
+
+
+def test_the_families_share_the_base_constructor_and_add_only_their_own_options():
+    for cls in (VisionTransformer, LoopedViT, ODEViT):
+        assert "__init__" not in vars(cls), cls
+    shared = model_options("vit")
+    assert model_options("looped") == shared
+    assert model_options("ode") == [*shared, "solver", "scale", "norm", "rtol", "atol", "adjoint"]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'solver'"):
+        VisionTransformer(**TINY, solver="rk4")
+    with pytest.raises(ValueError, match="unknown norm 'batchnorm'"):
+        ODEViT(**TINY, norm="batchnorm")
+
+
+def test_a_model_built_directly_has_one_config_that_rebuilds_it():
+    model = ODEViT(**TINY, mixer="ssog", mixer_options={"num_atoms": 3}, norm="CenterNorm", solver="rk4")
+    assert model.config["norm"] == "centernorm" and model.config["num_atoms"] == 3
+    assert list(model.config)[:2] == ["name", "embed_dim"] and list(model.config)[-1] == "num_atoms"
+    assert (model.solver, model.scale, model.norm_name) == ("rk4", 2.0, "centernorm")
+    twin = create_model(**model.config)
+    assert type(twin) is ODEViT and twin.config == model.config
+    assert list(twin.state_dict()) == list(model.state_dict())
+    model.prune_intermediate_layers([0])  # the first of 2 steps: t in [0, 1/2], the same flow at half the scale
+    assert model.scale == model.config["scale"] == 1.0 and model.blocks.total == 1
+
+
+# -- one reading of KEY=VALUE -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("data.root=/x", ("data.root", "/x")),
+    ("+data.root=/x", ("data.root", "/x")),
+    ("++trainer.max_epochs=3", ("trainer.max_epochs", "3")),
+    ("~ema", ("ema", None)),
+    ("resume=/runs/a/step=0000100.ckpt", ("resume", "/runs/a/step=0000100.ckpt")),
+    ("depth=", ("depth", "")),
+])
+def test_split_override(text, expected):
+    assert split_override(text) == expected
+
+
+def test_analyze_refuses_a_model_option_without_a_value(tmp_path, capsys):
+    rc = ssogvit_main(["analyze", "atoms", "--model", "vit-tiny-ssog", "--model-kw", "depth", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--model-kw 'depth' is not KEY=VALUE" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+# -- no import cycles -------------------------------------------------------------------------------------------------
+
+
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the ``ssogvit`` modules it imports, at module level or inside functions (package ``__init__``
+    files are left out: importing a package's member always runs its ``__init__``)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        package = mod.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])])
+                targets |= {t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+        graph[mod] = {t for t in targets if t != mod and modules[t].name != "__init__.py"}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = _import_graph(Path(ssogvit.__file__).parent)
+    cycles = []
+
+    def visit(mod: str, stack: list[str]) -> None:
+        for t in sorted(graph.get(mod, ())):
+            if t in stack:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t in graph and t not in done:
+                visit(t, [*stack, t])
+        done.add(mod)
+
+    done: set[str] = set()
+    for mod in sorted(graph):
+        if mod not in done:
+            visit(mod, [mod])
+    assert not cycles, cycles
+    # the graph is real: it holds the edges that used to close the two cycles
+    assert "ssogvit.train.io" in graph["ssogvit.train.module"] and "ssogvit.analysis.atoms" in graph[
+        "ssogvit.analysis.fields"]
