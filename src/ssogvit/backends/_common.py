@@ -34,9 +34,11 @@ def flush_tiny(k: Tensor) -> Tensor:
     """Kernel entries below the dtype's smallest normal number set to exactly zero (docs/operator.md, "Denormals");
     in place in inference (no second table-sized allocation)."""
     tiny = torch.finfo(k.dtype).tiny
-    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
-        return F.threshold(k, tiny, 0.0)
-    return F.threshold_(k, tiny, 0.0)  # one pass; entries <= tiny (never negative here) become 0
+    if functional_only():  # the same rule in an op every exporter knows (ONNX has no threshold)
+        return k.masked_fill(k <= tiny, 0.0)
+    if torch.is_grad_enabled() and k.requires_grad:
+        return F.threshold(k, tiny, 0.0)  # zero where k <= tiny, and no gradient there
+    return F.threshold_(k, tiny, 0.0)  # one pass, in place
 
 
 def flush_tiny_product(k: Tensor) -> Tensor:
@@ -45,7 +47,7 @@ def flush_tiny_product(k: Tensor) -> Tensor:
     below 1e-38, the gradient at them is not), so the result's gradients match the unflushed product's exactly."""
     tiny = torch.finfo(k.dtype).tiny
     if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
-        return k - k.masked_fill(k >= tiny, 0.0).detach()
+        return k - k.masked_fill(k > tiny, 0.0).detach()
     return F.threshold_(k, tiny, 0.0)
 
 
