@@ -48,30 +48,33 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--res", type=int, nargs="+", default=RESOLUTIONS, help="image resolutions (default %(default)s)")
     p.add_argument("--batch", type=int, nargs="+", default=None,
                    help="batch sizes (default: models 8..512 on CUDA, 1 4 on CPU; operator 8)")
-    p.add_argument("--warmup", type=int, default=10, help="warm-up iterations (default 10)")
-    p.add_argument("--iters", type=int, default=50, help="measured iterations (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up calls (default 10)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="calls per timed block (default 50; 0: no timing, memory only)")
+    p.add_argument("--blocks", type=int, default=3,
+                   help="timed blocks per point (torch.utils.benchmark.Timer.timeit); the fastest is kept (default 3)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast precision (default: fp16 on CUDA, fp32 on CPU)")
     p.add_argument("--mode", default="inference", choices=["inference", "train"],
-                   help="inference (torch.inference_mode) or one training step (forward and backward)")
+                   help="inference (torch.inference_mode) or a training step (forward, backward, AdamW step)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each point's process")
     p.add_argument("--mem-cap-mib", type=float, default=None,
                    help="memory cap per point: CPU, address space the point may add (RLIMIT_AS); CUDA, a memory "
                         "fraction. A point that exceeds it is recorded as out of memory")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
-    p.add_argument("--torch-memory", action="store_true",
-                   help="on CPU, also report PyTorch's own allocation peak (torch.profiler, one more call): the "
-                        "allocator's view beside the resident-memory peak")
+    p.add_argument("--memory", default="allocator", choices=["allocator", "resident", "both"],
+                   help="CPU peak memory: bytes PyTorch's allocator hands out (default; repeatable between "
+                        "processes), the resident set, or both (peak_mib is then the allocator's)")
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
-    p.add_argument("--launcher", default="forkserver", choices=["forkserver", "subprocess"],
-                   help="how each point's process starts: forked from a server that has imported torch and ssogvit "
-                        "(default; fast), or a new interpreter")
+    p.add_argument("--launcher", default="forkserver", choices=["forkserver", "spawn"],
+                   help="multiprocessing start method of each point's process: forked from a server that has "
+                        "imported torch and ssogvit (default; fast), or a new interpreter")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the points this many times, each in a fresh process, in rounds; each point keeps its "
-                        "lowest median time and lowest peak memory (default 1)")
+                        "fastest time and lowest peak memory (default 1)")
     p.add_argument("--repeat-below-ms", type=float, default=None,
-                   help="with --repeats, repeat only points whose first median is below this many ms")
+                   help="with --repeats, repeat only points whose first time is below this many ms")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a point is abandoned (default 1800)")
     p.add_argument("--out", default="bench-results", help="directory for JSON, CSV and PNG (default %(default)s)")
     p.add_argument("--name", default=None, help="file stem for the results (default: the sub-command)")
@@ -82,10 +85,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return dict(
-        warmup=args.warmup, iters=args.iters, device=device, dtype=_dtype(args.dtype, device), mode=args.mode,
-        threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
-        torch_memory=args.torch_memory,
-        flush_denormal=args.flush_denormal,
+        warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=_dtype(args.dtype, device),
+        mode=args.mode, threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
+        memory=args.memory, flush_denormal=args.flush_denormal,
     )
 
 

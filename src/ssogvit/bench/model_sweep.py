@@ -116,7 +116,7 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
             continue
         lines.append(
             f"| {r['label']} | {against} | {r['res']} | {r['batch']} | {_f(r.get('images_per_s'), '.2f')} "
-            f"| {_f(r.get('time_ms_mean'), '.1f')} | {_f(r.get('peak_mib'), '.1f')} "
+            f"| {_f(r.get('time_ms'), '.1f')} | {_f(r.get('peak_mib'), '.1f')} "
             f"| {_f(r.get('gflops_per_image'), '.1f')} | {_x(r.get('speedup'))} "
             f"| {_x(r.get('flop_bound'))} | {_f(r.get('memory_saved'), '.0%')} |"
         )

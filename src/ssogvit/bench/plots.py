@@ -109,7 +109,7 @@ def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for ax, metric, ylabel in ((axes[0], "peak_mib", "peak memory (MiB)"), (axes[1], "time_ms_mean", "time (ms)")):
+    for ax, metric, ylabel in ((axes[0], "peak_mib", "peak memory (MiB)"), (axes[1], "time_ms", "time (ms)")):
         fits = operator_fits(ok, metric)
         keys = sorted({(r["label"], r["batch"]) for r in ok}, key=lambda k: (k[1], k[0]))
         for i, key in enumerate(keys):
