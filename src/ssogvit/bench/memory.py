@@ -151,11 +151,13 @@ def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *
     Every tensor autograd saves is attributed to the innermost module running when it is saved, modules at the same
     place in every block grouped (``blocks.*.attn``); each storage is counted once, and parameters, buffers and
     ``exclude`` (the input) are left out: they live before and after the step. All of these tensors are alive at
-    once when the forward ends, so their sum is a lower bound of what a training step adds to memory.
+    once when the forward ends, and every parameter's gradient is alive at once when backward ends, so the larger
+    of the two sums is a lower bound of what a training step adds to memory.
 
     Returns:
-        ``saved_mib`` (total) and ``saved_by_module``: ``{group: [MiB, applications]}`` (``applications``: how
-        many times the group's modules ran, e.g. 12 for one per block of a 12-block ViT).
+        ``saved_mib`` (total), ``saved_by_module``: ``{group: [MiB, applications]}`` (``applications``: how many
+        times the group's modules ran, e.g. 12 for one per block of a 12-block ViT), and ``grads_mib``: the bytes
+        of the trainable parameters' gradients.
     """
     skip = set(_storages([module, *exclude]))
     stack: list[str] = []
@@ -192,7 +194,8 @@ def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *
         for h in handles:
             h.remove()
     by = {k: [v / _MIB, calls.get(k, 1)] for k, v in sorted(saved.items(), key=lambda kv: -kv[1])}
-    return {"saved_mib": sum(saved.values()) / _MIB, "saved_by_module": by}
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return {"saved_mib": sum(saved.values()) / _MIB, "saved_by_module": by, "grads_mib": grads / _MIB}
 
 
 def cuda_peak_call(fn: Callable[[], object], device: torch.device) -> dict[str, float | str]:

@@ -103,12 +103,14 @@ def operator_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
         row = dict(r)
         b = base.get((r["res"], r["batch"]))
         if b is not None and r.get("status") == "ok":
-            row["speedup"] = b["time_ms"] / r["time_ms"]
+            if b.get("time_ms") and r.get("time_ms"):
+                row["speedup"] = b["time_ms"] / r["time_ms"]
             if b.get("peak_mib") and r.get("peak_mib") is not None:
                 row["memory_ratio"] = r["peak_mib"] / b["peak_mib"]
             if b.get("gflops_per_image") and r.get("gflops_per_image"):
                 row["flop_bound"] = b["gflops_per_image"] / r["gflops_per_image"]
-                row["of_bound"] = row["speedup"] / row["flop_bound"]
+                if "speedup" in row:
+                    row["of_bound"] = row["speedup"] / row["flop_bound"]
         out.append(row)
     return out
 

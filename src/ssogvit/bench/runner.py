@@ -32,7 +32,7 @@ CSV_FIELDS = [
     "kind", "label", "family", "size", "mixer", "res", "grid", "tokens", "batch", "mode", "device", "dtype",
     "threads", "warmup", "iters", "blocks", "status", "time_ms", "time_ms_median", "time_ms_spread",
     "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "rss_peak_mib", "state_mib",
-    "saved_mib", "gflops_per_image",
+    "saved_mib", "grads_mib", "gflops_per_image",
     "achieved_gflops_per_s", "params", "mem_cap_mib", "memory_method", "load_before", "wall_s", "error",
 ]
 
