@@ -233,3 +233,17 @@ def test_a_failed_repeat_keeps_the_earlier_result():
     out = merge_repeat(best, dict(status="error", error="boom"))
     assert out["time_ms"] == 4.0 and out["status"] == "ok" and out["repeat_times_ms"] == [4.0, None]
     assert out["repeat_peaks_mib"] == [2.0, None]
+
+
+def test_a_point_runs_in_a_new_interpreter_too_and_a_slow_one_is_killed_at_its_timeout():
+    from ssogvit.bench import run_point
+
+    point = dict(kind="operator", label="ssog", mixer="ssog", mixer_options={}, dim=64, heads=4, res=64, grid=[4, 4],
+                 prefix=1, tokens=17, batch=2, warmup=1, iters=2, blocks=3, threads=1)
+    spawned = run_point(point, launcher="spawn")
+    assert spawned["status"] == "ok", spawned
+    assert len(spawned["time_ms_blocks"]) == 3 and spawned["time_ms"] == min(spawned["time_ms_blocks"])
+    slow = run_point(dict(point, iters=10**9), timeout=10)
+    assert slow["status"] == "timeout" and slow["error"] == "no result after 10 s"
+    with pytest.raises(ValueError, match="unknown launcher 'fork'"):
+        run_point(point, launcher="fork")

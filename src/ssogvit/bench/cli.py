@@ -243,8 +243,9 @@ def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str,
 def _read_mergeable(files: list[str]) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
     """`(metas, [(file, rows)])` of results files that can share one table, or `UsageError` naming the one that cannot.
 
-    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` or `targets` tables), all of one
-    kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared side by side.
+    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` tables or `bench check` runs),
+    all of one kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared
+    side by side.
     """
     from ssogvit.bench.runner import read_results
 

@@ -179,7 +179,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("measure_memory", True):
             stage = "memory"
             result.update(_measure_memory(spec, step, module, forward, x, device, train))
-    except BaseException as exc:  # noqa: BLE001 - a point's failure is its result
+    except BaseException as exc:  # a point's failure is its result
         if isinstance(exc, KeyboardInterrupt):
             raise
         result["status"] = "oom" if is_oom(exc) else "error"
