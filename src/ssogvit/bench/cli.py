@@ -337,7 +337,8 @@ def _flops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path, command_line: str) -> int:
+def _check(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path,
+           command_line: str) -> int:
     from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
     from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
 

@@ -1,6 +1,8 @@
-"""Peak memory of one call, on CUDA (the caching allocator's counters) and on CPU (the kernel's resident set).
+"""Peak memory of one call: on CUDA the caching allocator's counters; on CPU PyTorch's allocations (``torch_peak_call``,
+the default: the bytes tensors ask for, the same in every process) or the kernel's resident set (``cpu_peak_call``);
+and what a forward saves for backward (``saved_for_backward``). docs/benchmarks.md says which to read when.
 
-CPU method (Linux): release the C heap's free pages (``malloc_trim``), make glibc serve every block of 64 KiB or
+Resident method (Linux): release the C heap's free pages (``malloc_trim``), make glibc serve every block of 64 KiB or
 more with its own mapping so that a freed tensor leaves the resident set at once (``mallopt``), reset the kernel's
 resident high-water mark (``echo 5 > /proc/self/clear_refs``), read ``VmRSS``, make the call, read ``VmHWM``. The
 difference is the peak of what the call added to the process: its activations, temporaries and output, including
@@ -21,7 +23,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_peak_call", "torch_peak_call", "saved_for_backward", "cuda_peak_call", "status_kib", "cap_address_space", "limit_arenas"]
+__all__ = ["cpu_peak_call", "torch_peak_call", "saved_for_backward", "cuda_peak_call", "status_kib",
+           "cap_address_space", "limit_arenas"]
 
 _M_TRIM_THRESHOLD = -1
 _M_ARENA_MAX = -8

@@ -108,8 +108,9 @@ def _time(step: Callable[[], Any], *, iters: int, blocks: int, batch: int) -> di
     per_call = [timer.timeit(number=iters).mean for _ in range(blocks)]
     best = min(per_call)
     return dict(
-        time_ms=1e3 * best, time_ms_blocks=[1e3 * t for t in per_call], time_ms_median=1e3 * statistics.median(per_call),
-        time_ms_spread=(max(per_call) - best) / best, images_per_s=batch / best,
+        time_ms=1e3 * best, time_ms_blocks=[1e3 * t for t in per_call],
+        time_ms_median=1e3 * statistics.median(per_call), time_ms_spread=(max(per_call) - best) / best,
+        images_per_s=batch / best,
     )
 
 

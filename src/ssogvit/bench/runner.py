@@ -3,9 +3,9 @@
 A point is a dict (see ``ssogvit.bench.point``): what to build (``kind`` ``"model"`` or ``"operator"``), the
 resolution, batch, iterations, device, precision and an optional memory cap. ``run_point`` runs one in a new
 ``multiprocessing`` process (forked from the standard library's fork server, which has imported torch and ssogvit
-but run nothing, or a new interpreter) and always returns a row: ``status`` is ``"ok"``, ``"oom"`` (an allocation failed, or the child was
-killed by SIGKILL, which on Linux is the kernel's OOM killer), ``"error"``, ``"timeout"`` or ``"skipped"`` (a smaller
-batch of the same configuration already ran out of memory).
+but run nothing, or a new interpreter) and always returns a row: ``status`` is ``"ok"``, ``"oom"`` (an allocation
+failed, or the child was killed by SIGKILL, which on Linux is the kernel's OOM killer), ``"error"``, ``"timeout"`` or
+``"skipped"`` (a smaller batch of the same configuration already ran out of memory).
 """
 
 from __future__ import annotations
