@@ -247,3 +247,12 @@ def test_a_point_runs_in_a_new_interpreter_too_and_a_slow_one_is_killed_at_its_t
     assert slow["status"] == "timeout" and slow["error"] == "no result after 10 s"
     with pytest.raises(ValueError, match="unknown launcher 'fork'"):
         run_point(point, launcher="fork")
+
+
+def test_results_saved_before_block_timing_are_read_with_their_mean_time(tmp_path):
+    from ssogvit.bench.runner import read_results, write_results
+
+    write_results([dict(label="mha", status="ok", time_ms_mean=12.5, time_ms_median=12.0), dict(label="x", time_ms=3.0,
+                   time_ms_mean=9.0)], {}, tmp_path, "old")
+    old, new = read_results(tmp_path / "old.json")[1]
+    assert old["time_ms"] == 12.5 and new["time_ms"] == 3.0

@@ -181,9 +181,14 @@ def _fmt(v: Any) -> Any:
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
-    """Read a results JSON written by ``write_results``; returns ``(meta, rows)``."""
+    """Read a results JSON written by ``write_results``; returns ``(meta, rows)``.
+
+    Rows written before points were timed in blocks have no ``time_ms``; their mean time per call stands in for it.
+    """
     data = json.loads(Path(path).read_text())
-    return data["meta"], data["rows"]
+    rows = [r if "time_ms" in r or "time_ms_mean" not in r else r | {"time_ms": r["time_ms_mean"]}
+            for r in data["rows"]]
+    return data["meta"], rows
 
 
 def run_sweep(
