@@ -256,3 +256,23 @@ def test_results_saved_before_block_timing_are_read_with_their_mean_time(tmp_pat
                    time_ms_mean=9.0)], {}, tmp_path, "old")
     old, new = read_results(tmp_path / "old.json")[1]
     assert old["time_ms"] == 12.5 and new["time_ms"] == 3.0
+
+
+def _die(point, conn):
+    """Stands in for a point's process: killed as the kernel's OOM killer kills, or gone without a word."""
+    import os
+    import signal
+
+    if point["how"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+
+def test_a_point_whose_process_dies_is_recorded_as_such(monkeypatch):
+    from ssogvit.bench import runner
+
+    monkeypatch.setattr(runner, "_child", _die)
+    killed = runner.run_point(dict(how="kill", batch=1), timeout=300)
+    assert killed["status"] == "oom" and "SIGKILL" in killed["error"]
+    gone = runner.run_point(dict(how="exit", batch=1), timeout=300)
+    assert gone["status"] == "error" and gone["error"] == "child exited with 3 without a result"

@@ -90,14 +90,14 @@ def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: 
             os.environ.pop("OMP_NUM_THREADS") if saved_env is None else os.environ.update(OMP_NUM_THREADS=saved_env)
     send.close()
     result = None
-    try:
-        if recv.poll(timeout):
-            result = recv.recv()
-    except EOFError:  # the child died without a result
-        pass
-    timed_out = result is None and proc.is_alive()
+    timed_out = not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
     if timed_out:
         proc.kill()
+    else:
+        try:
+            result = recv.recv()
+        except EOFError:
+            pass
     proc.join()
     recv.close()
     row["wall_s"] = round(time.perf_counter() - t0, 2)
