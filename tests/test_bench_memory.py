@@ -54,10 +54,10 @@ def test_what_a_forward_saves_for_backward_is_counted_by_hand():
 def test_a_training_step_is_measured_by_the_allocator_with_what_lives_across_it():
     torch.manual_seed(0)
     net, x = _Net(), torch.randn(64, 256)
-    step = make_step(net, lambda: net(x), device=torch.device("cpu"), precision="fp32", train=True)
+    step, opt = make_step(net, lambda: net(x), device=torch.device("cpu"), precision="fp32", train=True)
     step()  # AdamW creates its state in the first step
-    first = memory.torch_peak_call(step, kept=[net, step.optimizer, x])
-    again = memory.torch_peak_call(step, kept=[net, step.optimizer, x])
+    first = memory.torch_peak_call(step, kept=[net, opt, x])
+    again = memory.torch_peak_call(step, kept=[net, opt, x])
     params = sum(p.numel() for p in net.parameters()) * 4 / MIB
     # parameters and AdamW's two moments per parameter, the input, and a scalar step count per parameter
     assert first["state_mib"] == pytest.approx(3 * params + 64 * 256 * 4 / MIB, abs=4 * 8 / MIB)

@@ -75,9 +75,9 @@ def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module,
 
 
 def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: torch.device, precision: str,
-              train: bool) -> Callable[[], Any]:
-    """One call of the point: inference (``torch.inference_mode``) or a whole training step (forward, the mean of
-    the output as loss, backward, ``torch.optim.AdamW`` step, gradients set to ``None``)."""
+              train: bool) -> tuple[Callable[[], Any], torch.optim.Optimizer | None]:
+    """One call of the point and its optimizer: inference (``torch.inference_mode``; no optimizer) or a whole training
+    step (forward, the mean of the output as loss, backward, ``torch.optim.AdamW`` step, gradients set to ``None``)."""
     amp = _AMP[precision]
     module.train(train)
     if not train:
@@ -86,7 +86,7 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
             with torch.inference_mode(), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 return forward()
 
-        return infer
+        return infer, None
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def step():
@@ -96,8 +96,7 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step.optimizer = opt  # type: ignore[attr-defined]  # its state is part of what the step keeps
-    return step
+    return step, opt
 
 
 def _time(step: Callable[[], Any], *, iters: int, blocks: int, batch: int) -> dict[str, Any]:
@@ -134,8 +133,9 @@ def _setup(spec: dict[str, Any], device: torch.device, result: dict[str, Any]) -
         result["mem_cap_mib"] = cap
 
 
-def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], module: torch.nn.Module,
-                    forward: Callable[[], Any], x: torch.Tensor, device: torch.device, train: bool) -> dict[str, Any]:
+def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, forward: Callable[[], Any],
+                    device: torch.device, train: bool) -> dict[str, Any]:
+    """Peak memory of one ``step``; ``kept``: the module, its optimizer (or ``None``) and the input."""
     if device.type == "cuda":
         return memory.cuda_peak_call(step, device)
     how = spec.get("memory", "allocator")
@@ -144,14 +144,13 @@ def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], module: torch
         rss = memory.cpu_peak_call(step)
         out.update(rss, rss_peak_mib=rss["peak_mib"])
     if how in ("allocator", "both"):
-        alloc = memory.torch_peak_call(step, kept=[module, getattr(step, "optimizer", None), x])
+        alloc = memory.torch_peak_call(step, kept=kept)
         method = "torch allocator (profiler memory events)" + ("; resident in rss_peak_mib" if how == "both" else "")
         out.update(alloc, peak_mib=alloc["torch_peak_mib"], memory_method=method)
     if train and spec.get("kind") == "model":
         amp = _AMP[spec.get("dtype", "fp32")]
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            out.update(memory.saved_for_backward(module, forward, exclude=[x]))
-        module.zero_grad(set_to_none=True)
+            out.update(memory.saved_for_backward(kept[0], forward, exclude=[kept[-1]]))
     return out
 
 
@@ -166,7 +165,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         stage = "build"
         module, forward, x, info = _build(spec, device)
         result.update(info, params=sum(p.numel() for p in module.parameters()))
-        step = make_step(module, forward, device=device, precision=spec.get("dtype", "fp32"), train=train)
+        step, opt = make_step(module, forward, device=device, precision=spec.get("dtype", "fp32"), train=train)
         stage = "warm-up"
         for _ in range(int(spec.get("warmup", 10))):
             step()
@@ -179,7 +178,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 result["achieved_gflops_per_s"] = gf * result["images_per_s"]
         if spec.get("measure_memory", True):
             stage = "memory"
-            result.update(_measure_memory(spec, step, module, forward, x, device, train))
+            result.update(_measure_memory(spec, step, [module, opt, x], forward, device, train))
     except BaseException as exc:  # a point's failure is its result
         if isinstance(exc, KeyboardInterrupt):
             raise
