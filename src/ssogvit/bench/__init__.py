@@ -1,8 +1,9 @@
 """Efficiency benchmarks (docs/benchmarks.md): analytic FLOPs, per-point subprocess sweeps, power-law fits, plots.
 
 ``count_flops(model, img_size)`` is the analytic forward FLOP count per image; ``flops_breakdown`` splits it (its
-``"mixer"`` entry is attention alone). ``run_sweep`` runs benchmark points each in its own process. The command line
-is ``ssogvit bench models|operator|flops`` (``ssogvit.bench.cli``).
+``"mixer"`` entry is attention alone). ``run_sweep`` runs benchmark points each in its own process (``multiprocessing``,
+timed with ``torch.utils.benchmark.Timer``). The command line is ``ssogvit bench models|operator|flops|check|report``
+(``ssogvit.bench.cli``).
 """
 
 from ssogvit.bench.fit import PowerLaw, fit_power_law

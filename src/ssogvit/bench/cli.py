@@ -48,30 +48,33 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--res", type=int, nargs="+", default=RESOLUTIONS, help="image resolutions (default %(default)s)")
     p.add_argument("--batch", type=int, nargs="+", default=None,
                    help="batch sizes (default: models 8..512 on CUDA, 1 4 on CPU; operator 8)")
-    p.add_argument("--warmup", type=int, default=10, help="warm-up iterations (default 10)")
-    p.add_argument("--iters", type=int, default=50, help="measured iterations (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up calls (default 10)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="calls per timed block (default 50; 0: no timing, memory only)")
+    p.add_argument("--blocks", type=int, default=3,
+                   help="timed blocks per point (torch.utils.benchmark.Timer.timeit); the fastest is kept (default 3)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast precision (default: fp16 on CUDA, fp32 on CPU)")
     p.add_argument("--mode", default="inference", choices=["inference", "train"],
-                   help="inference (torch.inference_mode) or one training step (forward and backward)")
+                   help="inference (torch.inference_mode) or a training step (forward, backward, AdamW step)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each point's process")
     p.add_argument("--mem-cap-mib", type=float, default=None,
                    help="memory cap per point: CPU, address space the point may add (RLIMIT_AS); CUDA, a memory "
                         "fraction. A point that exceeds it is recorded as out of memory")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
-    p.add_argument("--torch-memory", action="store_true",
-                   help="on CPU, also report PyTorch's own allocation peak (torch.profiler, one more call): the "
-                        "allocator's view beside the resident-memory peak")
+    p.add_argument("--memory", default="allocator", choices=["allocator", "resident", "both"],
+                   help="CPU peak memory: bytes PyTorch's allocator hands out (default; repeatable between "
+                        "processes), the resident set, or both (peak_mib is then the allocator's)")
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
-    p.add_argument("--launcher", default="forkserver", choices=["forkserver", "subprocess"],
-                   help="how each point's process starts: forked from a server that has imported torch and ssogvit "
-                        "(default; fast), or a new interpreter")
+    p.add_argument("--launcher", default="forkserver", choices=["forkserver", "spawn"],
+                   help="multiprocessing start method of each point's process: forked from a server that has "
+                        "imported torch and ssogvit (default; fast), or a new interpreter")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the points this many times, each in a fresh process, in rounds; each point keeps its "
-                        "lowest median time and lowest peak memory (default 1)")
+                        "fastest time and lowest peak memory (default 1)")
     p.add_argument("--repeat-below-ms", type=float, default=None,
-                   help="with --repeats, repeat only points whose first median is below this many ms")
+                   help="with --repeats, repeat only points whose first time is below this many ms")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a point is abandoned (default 1800)")
     p.add_argument("--out", default="bench-results", help="directory for JSON, CSV and PNG (default %(default)s)")
     p.add_argument("--name", default=None, help="file stem for the results (default: the sub-command)")
@@ -82,10 +85,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return dict(
-        warmup=args.warmup, iters=args.iters, device=device, dtype=_dtype(args.dtype, device), mode=args.mode,
-        threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
-        torch_memory=args.torch_memory,
-        flush_denormal=args.flush_denormal,
+        warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=_dtype(args.dtype, device),
+        mode=args.mode, threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
+        memory=args.memory, flush_denormal=args.flush_denormal,
     )
 
 
@@ -126,11 +128,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--baseline", default=None)
     r.add_argument("--no-plots", action="store_true")
 
-    t = sub.add_parser("targets", help="issue 6's performance targets at ViT-B width: each a row, target beside "
-                                       "measurement (mixer, steered mixer, whole model, training step, matmul peak)")
-    t.add_argument("--train-res", type=int, nargs="+", default=[384, 768], help="resolutions of the training step")
+    t = sub.add_parser("check", help="SSoG against attention at ViT-B width (mixer alone, steered mixer, whole "
+                                     "models, training steps, matmul peak), pass/fail against the thresholds given")
+    t.add_argument("--models", nargs="+", default=["vit-base"], help="family-size stems of the whole-model points")
+    t.add_argument("--model-batch", type=int, default=1, help="batch of the whole-model inference points")
+    t.add_argument("--train-res", type=int, nargs="*", default=[], help="resolutions of the training steps (none)")
+    t.add_argument("--train-batch", type=int, nargs="+", default=[1], help="batches of the training steps")
     t.add_argument("--from-json", default=None, metavar="RESULTS.json",
-                   help="evaluate the targets again from a saved run's results instead of running anything")
+                   help="judge a saved run's results again instead of running anything")
+    from ssogvit.bench.check import Thresholds
+
+    for name in Thresholds.names():
+        t.add_argument("--" + name.replace("_", "-"), type=float, default=None, metavar="X")
     _add_run_options(t)
     t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS), out="bench-results")
 
@@ -165,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or args.command
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.command == "targets":
-        return _targets(args, device, common, name, out, command_line)
+    if args.command == "check":
+        return _check(args, device, common, name, out, command_line)
     if args.command == "models":
         from ssogvit.bench.model_sweep import model_points
 
@@ -206,9 +215,11 @@ def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str,
     from ssogvit.bench import plots as _plots
 
     if command == "models":
-        from ssogvit.bench.model_sweep import format_model_table
+        from ssogvit.bench.model_sweep import format_model_table, format_saved_table
 
-        _write_table(format_model_table(rows, baseline), out, name)
+        saved = format_saved_table(rows)
+        _write_table(format_model_table(rows, baseline) + (f"\n\nWhere the bytes go\n\n{saved}" if saved else ""),
+                     out, name)
         if plots:
             for p in (_plots.plot_relative(rows, out / f"{name}_relative.png", baseline),
                       _plots.plot_models(rows, out / f"{name}_absolute.png")):
@@ -232,8 +243,9 @@ def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str,
 def _read_mergeable(files: list[str]) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
     """`(metas, [(file, rows)])` of results files that can share one table, or `UsageError` naming the one that cannot.
 
-    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` or `targets` tables), all of one
-    kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared side by side.
+    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` tables or `bench check` runs),
+    all of one kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared
+    side by side.
     """
     from ssogvit.bench.runner import read_results
 
@@ -325,45 +337,38 @@ def _flops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _targets(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path, command_line: str) -> int:
+def _check(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path,
+           command_line: str) -> int:
+    from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
     from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
-    from ssogvit.bench.targets import target_points
 
+    limits = Thresholds(**{k: getattr(args, k) for k in Thresholds.names()})
     if args.from_json:
-        meta, rows = read_results(args.from_json)
-        # files written before repeats were recorded take them from the command line
-        meta = {"loadavg_end": meta.get("loadavg"), "command": command_line, "repeats": args.repeats,
-                "repeat_below_ms": args.repeat_below_ms} | meta
-        return _write_targets(rows, meta, device, out, name)
-    common = {k: v for k, v in common.items() if k != "mode"}
-    if device == "cpu" and not args.no_memory:
-        common["torch_memory"] = True  # PyTorch's allocation peak beside the resident one
-    points = target_points(resolutions=args.res, batches=args.batch or [1, 8], train_resolutions=args.train_res,
-                           **common)
-    meta = machine_info(device) | {"command": command_line, "points": len(points), "repeats": args.repeats,
-                                   "repeat_below_ms": args.repeat_below_ms}
-    rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
-                     repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
-    meta["loadavg_end"] = machine_info(device)["loadavg"]
-    write_results(rows, meta, out, name)
-    return _write_targets(rows, meta, device, out, name)
-
-
-def _write_targets(rows: list[dict], meta: dict, device: str, out: Path, name: str) -> int:
-    from ssogvit.bench.targets import evaluate_targets, format_targets
-
-    targets = evaluate_targets(rows)
-    (out / f"{name}_rows.json").write_text(json.dumps(targets, indent=1) + "\n")
-    repeats, repeat_below_ms = meta.get("repeats", 1), meta.get("repeat_below_ms")
-    header = (f"# {meta['command']}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
-              f"{device}, load average {meta['loadavg']} -> {meta['loadavg_end']}, ssogvit "
+        try:
+            meta, rows = read_results(args.from_json)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UsageError(f"{args.from_json} is not a results file of `ssogvit bench check`") from None
+        meta = {"loadavg_end": meta.get("loadavg")} | meta | {"command": command_line}
+    else:
+        points = check_points(resolutions=args.res, batches=args.batch or [1, 8], models=args.models,
+                              model_batch=args.model_batch, train_resolutions=args.train_res,
+                              train_batches=args.train_batch, **common)
+        meta = machine_info(device) | {"command": command_line, "points": len(points), "repeats": args.repeats,
+                                       "repeat_below_ms": args.repeat_below_ms}
+        rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
+                         repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
+        meta["loadavg_end"] = machine_info(device)["loadavg"]
+        write_results(rows, meta, out, name)
+    checks = evaluate(rows, limits)
+    (out / f"{name}_checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+    header = (f"# {meta['command']}\n# {meta.get('cpu')}, torch {meta.get('torch')}, {meta.get('torch_threads')} "
+              f"threads, device {device}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}, ssogvit "
               f"{meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
-    if repeats > 1:
-        below = f" whose first median was below {repeat_below_ms:g} ms" if repeat_below_ms else ""
-        header += (f"# each point ran in {repeats} fresh processes{below}; it keeps its lowest median time and "
-                   "its lowest peak memory\n")
-    _write_table(header + "\n" + format_targets(targets), out, f"{name}_table")
-    missed = [r for r in targets if r["met"] is False]
-    print(f"\n{sum(r['met'] is True for r in targets)} targets met, {len(missed)} missed; wrote "
-          f"{out / (name + '_table.md')}")
-    return 0
+    if meta.get("repeats", 1) > 1:
+        below = f" whose first time was below {meta['repeat_below_ms']:g} ms" if meta.get("repeat_below_ms") else ""
+        header += (f"# each point ran in {meta['repeats']} fresh processes{below}; it keeps its fastest time and its "
+                   "lowest peak memory\n")
+    _write_table(header + "\n" + format_check(checks), out, f"{name}_table")
+    met, missed = sum(r["met"] is True for r in checks), sum(r["met"] is False for r in checks)
+    print(f"\n{met} checks passed, {missed} failed; wrote {out / (name + '_table.md')}")
+    return 1 if missed else 0

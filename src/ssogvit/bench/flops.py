@@ -21,10 +21,13 @@ continuous-depth model with one block counts it ``model.depth`` times.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
+from timm.layers import to_2tuple
 from torch import nn
+
+from ssogvit.layers import SSoGAttention
 
 __all__ = [
     "count_flops",
@@ -38,15 +41,8 @@ __all__ = [
 ]
 
 
-def _pair(v: int | Iterable[int]) -> tuple[int, int]:
-    if isinstance(v, int):
-        return v, v
-    a, b = (int(x) for x in v)
-    return a, b
-
-
 def _is_ssog(m: nn.Module) -> bool:
-    return isinstance(getattr(m, "mu", None), torch.Tensor) and isinstance(getattr(m, "v", None), nn.Linear)
+    return isinstance(m, SSoGAttention)
 
 
 def _is_attention(m: nn.Module) -> bool:
@@ -82,12 +78,12 @@ def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int 
     """FLOPs of one call of one mixer on one image, split into ``projections``, ``core``, ``steering``, ``total``.
 
     Args:
-        mixer: an SSoG mixer (has ``mu`` and ``v``), an attention mixer (``qkv`` and ``proj``) or
+        mixer: an SSoG mixer (``ssogvit.layers.SSoGAttention``), an attention mixer (``qkv`` and ``proj``) or
             ``nn.MultiheadAttention`` (self-attention).
         grid: the patch grid ``(Gh, Gw)``.
         num_prefix_tokens: class and register tokens in front of the patches.
     """
-    gh, gw = _pair(grid)
+    gh, gw = to_2tuple(grid)
     n = gh * gw
     t = n + num_prefix_tokens
     proj = core = steer = 0
@@ -131,7 +127,7 @@ def _patch_conv(model: nn.Module) -> nn.Conv2d:
 def grid_of(model: nn.Module, img_size: int | tuple[int, int]) -> tuple[int, int]:
     """The patch grid ``(Gh, Gw)`` a model sees at ``img_size``."""
     conv = _patch_conv(model)
-    h, w = _pair(img_size)
+    h, w = to_2tuple(img_size)
     sh, sw = conv.stride
     return h // sh, w // sw
 
@@ -232,7 +228,7 @@ def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    h, w = _pair(img_size)
+    h, w = to_2tuple(img_size)
     conv = _patch_conv(model)
     chans = in_chans or conv.in_channels
     param = next(model.parameters())

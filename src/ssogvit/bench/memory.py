@@ -1,6 +1,8 @@
-"""Peak memory of one call, on CUDA (the caching allocator's counters) and on CPU (the kernel's resident set).
+"""Peak memory of one call: on CUDA the caching allocator's counters; on CPU PyTorch's allocations (``torch_peak_call``,
+the default: the bytes tensors ask for, the same in every process) or the kernel's resident set (``cpu_peak_call``);
+and what a forward saves for backward (``saved_for_backward``). docs/benchmarks.md says which to read when.
 
-CPU method (Linux): release the C heap's free pages (``malloc_trim``), make glibc serve every block of 64 KiB or
+Resident method (Linux): release the C heap's free pages (``malloc_trim``), make glibc serve every block of 64 KiB or
 more with its own mapping so that a freed tensor leaves the resident set at once (``mallopt``), reset the kernel's
 resident high-water mark (``echo 5 > /proc/self/clear_refs``), read ``VmRSS``, make the call, read ``VmHWM``. The
 difference is the peak of what the call added to the process: its activations, temporaries and output, including
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["cpu_peak_call", "torch_peak_call", "cuda_peak_call", "status_kib", "cap_address_space", "limit_arenas"]
+__all__ = ["cpu_peak_call", "torch_peak_call", "saved_for_backward", "cuda_peak_call", "status_kib",
+           "cap_address_space", "limit_arenas"]
 
 _M_TRIM_THRESHOLD = -1
 _M_ARENA_MAX = -8
@@ -89,16 +94,39 @@ def cpu_peak_call(fn: Callable[[], object]) -> dict[str, float | str]:
     }
 
 
-def torch_peak_call(fn: Callable[[], object]) -> dict[str, float | None]:
+def _storages(objs: Iterable[object]) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of every tensor storage held by ``objs``: modules (parameters, their gradients,
+    buffers), optimizers (their state) and tensors; each storage once."""
+    tensors: list[torch.Tensor] = []
+    for obj in objs:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            tensors += list(obj.parameters()) + list(obj.buffers())
+            tensors += [p.grad for p in obj.parameters() if p.grad is not None]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors += [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    out = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def torch_peak_call(fn: Callable[[], object], *, kept: Iterable[object] = ()) -> dict[str, float | None]:
     """Run ``fn()`` once under ``torch.profiler`` (``profile_memory=True``) and return ``torch_peak_mib``: the
     highest total of PyTorch's CPU allocations during the call, above what was allocated before it.
 
-    The allocator's view: it sees every tensor but nothing allocated outside PyTorch (BLAS packing buffers, the C
-    heap's fragmentation), which the resident-memory figure of ``cpu_peak_call`` includes. ``None`` when the profiler
-    returns no allocation events.
+    The allocator's view: it counts the bytes every tensor asks for, so it does not depend on which pages the C heap
+    happens to have resident, and it repeats between processes (docs/benchmarks.md); it does not see memory
+    allocated outside PyTorch (BLAS packing buffers, oneDNN scratch), which the resident figure of ``cpu_peak_call``
+    includes. ``kept`` (modules, optimizers, tensors) is what lives across the call; its bytes are
+    ``state_mib`` and ``peak_total_mib = state_mib + torch_peak_mib``. ``None`` when the profiler records no
+    allocation.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    state = sum(_storages([k for k in kept if k is not None]).values()) / _MIB
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         del out
@@ -111,7 +139,66 @@ def torch_peak_call(fn: Callable[[], object]) -> dict[str, float | None]:
     for _, nbytes in events:
         current += nbytes
         peak = max(peak, current)
-    return {"torch_peak_mib": peak / _MIB}
+    return {"torch_peak_mib": peak / _MIB, "state_mib": state, "peak_total_mib": state + peak / _MIB}
+
+
+def _group(name: str) -> str:
+    """``blocks.3.attn.v`` -> ``blocks.*.attn.v``: one group for the same place in every block."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name) or "(model)"
+
+
+def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *,
+                       exclude: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
+    """What one forward of ``module`` saves for backward (``torch.autograd.graph.saved_tensors_hooks``).
+
+    Every tensor autograd saves is attributed to the innermost module running when it is saved, modules at the same
+    place in every block grouped (``blocks.*.attn``); each storage is counted once, and parameters, buffers and
+    ``exclude`` (the input) are left out: they live before and after the step. All of these tensors are alive at
+    once when the forward ends, and every parameter's gradient is alive at once when backward ends, so the larger
+    of the two sums is a lower bound of what a training step adds to memory.
+
+    Returns:
+        ``saved_mib`` (total), ``saved_by_module``: ``{group: [MiB, applications]}`` (``applications``: how many
+        times the group's modules ran, e.g. 12 for one per block of a 12-block ViT), and ``grads_mib``: the bytes
+        of the trainable parameters' gradients.
+    """
+    skip = set(_storages([module, *exclude]))
+    stack: list[str] = []
+    calls: dict[str, int] = {}
+    saved: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def pre(name):
+        def hook(_m, _args):
+            stack.append(name)
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    def post(_m, _args, _out):
+        stack.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in skip and key not in seen:
+            seen.add(key)
+            where = stack[-1] if stack else "(model)"
+            saved[where] = saved.get(where, 0) + st.nbytes()
+        return t
+
+    handles = []
+    for name, m in module.named_modules():
+        handles += [m.register_forward_pre_hook(pre(_group(name))), m.register_forward_hook(post)]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    by = {k: [v / _MIB, calls.get(k, 1)] for k, v in sorted(saved.items(), key=lambda kv: -kv[1])}
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return {"saved_mib": sum(saved.values()) / _MIB, "saved_by_module": by, "grads_mib": grads / _MIB}
 
 
 def cuda_peak_call(fn: Callable[[], object], device: torch.device) -> dict[str, float | str]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["model_points", "model_table", "format_model_table", "default_mixers", "baselines_of", "BASELINE_NAMES",
-           "PAPER_BASELINES"]
+           "PAPER_BASELINES", "format_saved_table"]
 
 #: the baseline that the paper benchmarks each family against, where it is not the fused `mha`
 PAPER_BASELINES = {"ode": "mha-unfused"}
@@ -83,7 +83,8 @@ def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
                 row = dict(r, baseline=b_name)
                 b = ok_base.get((r["res"], r["batch"]))
                 if b is not None and r.get("status") == "ok" and r.get("mixer") != b_name:
-                    row["speedup"] = r["images_per_s"] / b["images_per_s"]
+                    if b.get("images_per_s") and r.get("images_per_s"):
+                        row["speedup"] = r["images_per_s"] / b["images_per_s"]
                     if b.get("peak_mib") and r.get("peak_mib") is not None:
                         row["memory_saved"] = 1.0 - r["peak_mib"] / b["peak_mib"]
                     if b.get("gflops_per_image") and r.get("gflops_per_image"):
@@ -116,8 +117,36 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
             continue
         lines.append(
             f"| {r['label']} | {against} | {r['res']} | {r['batch']} | {_f(r.get('images_per_s'), '.2f')} "
-            f"| {_f(r.get('time_ms_mean'), '.1f')} | {_f(r.get('peak_mib'), '.1f')} "
+            f"| {_f(r.get('time_ms'), '.1f')} | {_f(r.get('peak_mib'), '.1f')} "
             f"| {_f(r.get('gflops_per_image'), '.1f')} | {_x(r.get('speedup'))} "
             f"| {_x(r.get('flop_bound'))} | {_f(r.get('memory_saved'), '.0%')} |"
         )
+    return "\n".join(lines)
+
+
+def format_saved_table(rows: Sequence[dict]) -> str:
+    """Where a training step's bytes go (``--mode train``): per point, the step's peak beside what its forward saves
+    for backward and the parameters' gradients (the larger is a lower bound of the peak,
+    ``ssogvit.bench.memory.saved_for_backward``), then per point and module what it saves. Empty when no row has
+    the breakdown."""
+    rows = [r for r in rows if r.get("status") == "ok" and r.get("saved_by_module")]
+    if not rows:
+        return ""
+    lines = [
+        "| model | res | batch | step peak MiB | saved for backward MiB | gradients MiB | peak / lower bound "
+        "| parameters + optimizer MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bound = max(r["saved_mib"], r.get("grads_mib") or 0.0)
+        ratio = r["peak_mib"] / bound if r.get("peak_mib") and bound else None
+        lines.append(f"| {r['label']} | {r['res']} | {r['batch']} | {_f(r.get('peak_mib'), '.1f')} "
+                     f"| {_f(r.get('saved_mib'), '.1f')} | {_f(r.get('grads_mib'), '.1f')} | {_x(ratio)} "
+                     f"| {_f(r.get('state_mib'), '.1f')} |")
+    lines += ["", "| model | res | batch | module | MiB per application | applications | MiB | share |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for module, (mib, calls) in r["saved_by_module"].items():
+            lines.append(f"| {r['label']} | {r['res']} | {r['batch']} | {module} | {mib / calls:.2f} | {calls} "
+                         f"| {mib:.1f} | {mib / r['saved_mib']:.0%} |")
     return "\n".join(lines)

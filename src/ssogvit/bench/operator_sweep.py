@@ -103,12 +103,14 @@ def operator_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
         row = dict(r)
         b = base.get((r["res"], r["batch"]))
         if b is not None and r.get("status") == "ok":
-            row["speedup"] = b["time_ms_mean"] / r["time_ms_mean"]
+            if b.get("time_ms") and r.get("time_ms"):
+                row["speedup"] = b["time_ms"] / r["time_ms"]
             if b.get("peak_mib") and r.get("peak_mib") is not None:
                 row["memory_ratio"] = r["peak_mib"] / b["peak_mib"]
             if b.get("gflops_per_image") and r.get("gflops_per_image"):
                 row["flop_bound"] = b["gflops_per_image"] / r["gflops_per_image"]
-                row["of_bound"] = row["speedup"] / row["flop_bound"]
+                if "speedup" in row:
+                    row["of_bound"] = row["speedup"] / row["flop_bound"]
         out.append(row)
     return out
 
@@ -152,7 +154,7 @@ def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_pe
                          "| - | - | - | - | - | - |" + (" - |" if matmul_peak else ""))
             continue
         lines.append(
-            f"| {r['res']} | {r['tokens']} | {r['batch']} | {r['label']} | {_f(r.get('time_ms_mean'), '.2f')} "
+            f"| {r['res']} | {r['tokens']} | {r['batch']} | {r['label']} | {_f(r.get('time_ms'), '.2f')} "
             f"| {_f(r.get('peak_mib'), '.1f')} | {_f(r.get('achieved_gflops_per_s'), '.1f')} "
             f"| {_x(r.get('speedup'))} | {_x(r.get('flop_bound'))} | {_f(r.get('of_bound'), '.0%')} "
             f"| {_x(r.get('memory_ratio'))} |"
@@ -164,7 +166,7 @@ def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_pe
 def format_fits(rows: Sequence[dict]) -> str:
     """A Markdown table of the fitted exponents: memory and time against tokens, per mixer and batch."""
     mem = operator_fits(rows, "peak_mib")
-    time = operator_fits(rows, "time_ms_mean")
+    time = operator_fits(rows, "time_ms")
     lines = [
         "| mixer | batch | memory ~ N^k: k | R^2 | time ~ N^k: k | R^2 | points |",
         "|---|---|---|---|---|---|---|",

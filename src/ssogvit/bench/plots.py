@@ -79,13 +79,14 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
         ax_t, ax_m = axes[0][c], axes[1][c]
         for i, mixer in enumerate(mixers):
             for j, b in enumerate(batches):
-                pts = sorted((r["res"], r["images_per_s"], r.get("peak_mib")) for r in ok
+                pts = sorted((r["res"], r.get("images_per_s"), r.get("peak_mib")) for r in ok
                              if (r["family"], r["size"]) == fam and r["mixer"] == mixer and r["batch"] == b)
                 if not pts:
                     continue
                 kw = dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}",
                           label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}")
-                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+                timed = [p for p in pts if p[1] is not None]
+                ax_t.plot([p[0] for p in timed], [p[1] for p in timed], **kw)
                 mem = [p for p in pts if p[2] is not None]
                 ax_m.plot([p[0] for p in mem], [p[2] for p in mem], **kw)
         ax_t.set(title=f"{fam[0]}-{fam[1]}", xlabel="resolution (px)", ylabel="throughput (images/s)", yscale="log")
@@ -109,7 +110,7 @@ def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for ax, metric, ylabel in ((axes[0], "peak_mib", "peak memory (MiB)"), (axes[1], "time_ms_mean", "time (ms)")):
+    for ax, metric, ylabel in ((axes[0], "peak_mib", "peak memory (MiB)"), (axes[1], "time_ms", "time (ms)")):
         fits = operator_fits(ok, metric)
         keys = sorted({(r["label"], r["batch"]) for r in ok}, key=lambda k: (k[1], k[0]))
         for i, key in enumerate(keys):

@@ -1,19 +1,20 @@
 """Run benchmark points, each in its own process, and keep their results as JSON and CSV.
 
-A point is a dict (see ``ssogvit.bench._worker``): what to build (``kind`` ``"model"`` or ``"operator"``), the
+A point is a dict (see ``ssogvit.bench.point``): what to build (``kind`` ``"model"`` or ``"operator"``), the
 resolution, batch, iterations, device, precision and an optional memory cap. ``run_point`` runs one in a new
-process (forked from a server that has imported torch and ssogvit but run nothing, or a new interpreter) and always
-returns a row: ``status`` is ``"ok"``, ``"oom"`` (an allocation failed, or the child was
-killed by SIGKILL, which on Linux is the kernel's OOM killer), ``"error"``, ``"timeout"`` or ``"skipped"`` (a smaller
-batch of the same configuration already ran out of memory).
+``multiprocessing`` process (forked from the standard library's fork server, which has imported torch and ssogvit
+but run nothing, or a new interpreter) and always returns a row: ``status`` is ``"ok"``, ``"oom"`` (an allocation
+failed, or the child was killed by SIGKILL, which on Linux is the kernel's OOM killer), ``"error"``, ``"timeout"`` or
+``"skipped"`` (a smaller batch of the same configuration already ran out of memory).
 """
 
 from __future__ import annotations
 
-import atexit
 import csv
 import datetime as _dt
 import json
+import math
+import multiprocessing as mp
 import os
 import platform
 import signal
@@ -24,15 +25,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ssogvit.bench._worker import RESULT_MARKER
-
 __all__ = ["run_point", "run_sweep", "merge_repeat", "machine_info", "write_results", "read_results", "CSV_FIELDS"]
 
 #: Columns of the CSV file, in order (a row's other keys go to the JSON only).
 CSV_FIELDS = [
     "kind", "label", "family", "size", "mixer", "res", "grid", "tokens", "batch", "mode", "device", "dtype",
-    "threads", "warmup", "iters", "status", "time_ms_mean", "time_ms_median", "time_ms_min", "time_ms_std",
-    "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "gflops_per_image",
+    "threads", "warmup", "iters", "blocks", "status", "time_ms", "time_ms_median", "time_ms_spread",
+    "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "rss_peak_mib", "state_mib",
+    "saved_mib", "grads_mib", "gflops_per_image",
     "achieved_gflops_per_s", "params", "mem_cap_mib", "memory_method", "load_before", "wall_s", "error",
 ]
 
@@ -42,101 +42,74 @@ def _config_key(point: dict[str, Any]) -> tuple:
     return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in point.items() if k not in skip))
 
 
-class _ForkServer:
-    """The parent's handle on ``python -m ssogvit.bench._server`` (started on first use, restarted if it dies)."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-
-    def _start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ssogvit.bench._server"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )
-        if self._reply() is None:
-            raise RuntimeError("the benchmark fork server did not start (see the messages above)")
-
-    def _reply(self) -> dict | None:
-        from ssogvit.bench._server import REPLY_MARKER
-
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY_MARKER):
-                return json.loads(line[len(REPLY_MARKER):])
-        return None
-
-    def run(self, point: dict, timeout: float | None) -> tuple[dict | None, int | None, bool]:
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"point": point, "timeout": timeout}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
-        if reply is None:
-            self.proc = None
-            return None, None, False
-        return reply["result"], reply["code"], reply["timed_out"]
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        self.proc = None
+#: What the fork server imports once, so that each point's process starts with them loaded.
+PRELOAD = ["torch", "ssogvit.bench.point", "ssogvit.layers", "ssogvit.models"]
+LAUNCHERS = ("forkserver", "spawn")
 
 
-_SERVER = _ForkServer()
-atexit.register(_SERVER.close)
+def _child(point: dict, conn) -> None:
+    from ssogvit.bench.point import run
+
+    conn.send(run(point))
+    conn.close()
+
+
+def _context(launcher: str):
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
+    ctx = mp.get_context(launcher)
+    if launcher == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: str = "forkserver") -> dict:
-    """Run one point in a new process and return the point merged with its result.
+    """Run one point in a process of its own and return the point merged with its result.
 
     Args:
-        point: what to run (see ``ssogvit.bench._worker``).
+        point: what to run (see ``ssogvit.bench.point``).
         timeout: seconds before the point is killed and recorded as ``"timeout"``.
-        launcher: ``"forkserver"`` (default): a process forked from a server (``ssogvit.bench._server``) that has
-            only imported torch and ssogvit, never run a model, so each point starts clean without paying for the
-            imports again;
-            ``"subprocess"``: a new interpreter (``python -m ssogvit.bench._worker``), for settings read at start-up
-            such as ``OMP_NUM_THREADS``.
+        launcher: the ``multiprocessing`` start method. ``"forkserver"`` (default): forked from a server that has
+            imported torch and ssogvit once (``set_forkserver_preload``) and never ran a model, so each point starts
+            clean without paying for the imports; ``"spawn"``: a new interpreter, for settings read at start-up
+            (``OMP_NUM_THREADS`` is set to the point's ``threads``).
     """
+    ctx = _context(launcher)
     row = dict(point)
     row["load_before"] = round(os.getloadavg()[0], 2)
     t0 = time.perf_counter()
-    if launcher == "forkserver":
-        result, code, timed_out = _SERVER.run(point, timeout)
-    elif launcher == "subprocess":
-        result, code, timed_out = _run_subprocess(point, timeout)
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(point, send), daemon=True)
+    saved_env = os.environ.get("OMP_NUM_THREADS")
+    if launcher == "spawn" and point.get("threads"):
+        os.environ["OMP_NUM_THREADS"] = str(point["threads"])
+    try:
+        proc.start()
+    finally:
+        if launcher == "spawn" and point.get("threads"):
+            os.environ.pop("OMP_NUM_THREADS") if saved_env is None else os.environ.update(OMP_NUM_THREADS=saved_env)
+    send.close()
+    result = None
+    timed_out = not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
+    if timed_out:
+        proc.kill()
     else:
-        raise ValueError(f"unknown launcher {launcher!r}; expected 'forkserver' or 'subprocess'")
+        try:
+            result = recv.recv()
+        except EOFError:
+            pass
+    proc.join()
+    recv.close()
     row["wall_s"] = round(time.perf_counter() - t0, 2)
     if result is not None:
         row.update(result)
     elif timed_out:
         row.update(status="timeout", error=f"no result after {timeout:.0f} s")
-    elif code == -signal.SIGKILL:
+    elif proc.exitcode == -signal.SIGKILL:
         row.update(status="oom", error="child killed by SIGKILL (on Linux, the kernel's out-of-memory killer)")
     else:
-        row.update(status="error", error=f"child exited with {code} without a result")
+        row.update(status="error", error=f"child exited with {proc.exitcode} without a result")
     return row
-
-
-def _run_subprocess(point: dict, timeout: float | None) -> tuple[dict | None, int | None, bool]:
-    env = dict(os.environ)
-    if point.get("threads"):
-        env["OMP_NUM_THREADS"] = str(point["threads"])
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ssogvit.bench._worker"],
-            input=json.dumps(point), capture_output=True, text=True, timeout=timeout, env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return None, None, True
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):]), proc.returncode, False
-    return None, proc.returncode, False
 
 
 def machine_info(device: str = "cpu") -> dict[str, Any]:
@@ -208,9 +181,14 @@ def _fmt(v: Any) -> Any:
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
-    """Read a results JSON written by ``write_results``; returns ``(meta, rows)``."""
+    """Read a results JSON written by ``write_results``; returns ``(meta, rows)``.
+
+    Rows written before points were timed in blocks have no ``time_ms``; their mean time per call stands in for it.
+    """
     data = json.loads(Path(path).read_text())
-    return data["meta"], data["rows"]
+    rows = [r if "time_ms" in r or "time_ms_mean" not in r else r | {"time_ms": r["time_ms_mean"]}
+            for r in data["rows"]]
+    return data["meta"], rows
 
 
 def run_sweep(
@@ -233,10 +211,10 @@ def run_sweep(
     batch is recorded as ``"skipped"`` without running.
 
     With ``repeats > 1`` the whole list is run again ``repeats - 1`` times (each point in a fresh process again, the
-    rounds one after another so that a point's repeats are minutes apart), for the points whose first median time is
-    below ``repeat_below_ms`` (all, if ``None``). On a shared machine the speed of a whole process varies (the same
-    point's median moved by up to 50% between processes here), so each point keeps the repeat with the lowest
-    median (its time fields) and the lowest peak memory; ``repeat_medians_ms`` and ``repeat_peaks_mib`` list all.
+    rounds one after another so that a point's repeats are minutes apart), for the points whose first time is
+    below ``repeat_below_ms`` (all, if ``None``, or if the points are not timed). On a shared machine the speed of a
+    whole process varies, so each point keeps its fastest repeat (its time fields) and the lowest of each peak
+    memory (``merge_repeat``).
     """
     points = list(points)
     opts = dict(name=name, meta=meta, timeout=timeout, launcher=launcher, log=log)
@@ -244,7 +222,7 @@ def run_sweep(
     for rnd in range(2, repeats + 1):
         todo = [
             i for i, r in enumerate(rows)
-            if r.get("status") == "ok" and (repeat_below_ms is None or r["time_ms_median"] < repeat_below_ms)
+            if r.get("status") == "ok" and (repeat_below_ms is None or (r.get("time_ms") or 0.0) < repeat_below_ms)
         ]
         if not todo:
             break
@@ -257,31 +235,34 @@ def run_sweep(
     return rows
 
 
-_TIME_FIELDS = ("time_ms_mean", "time_ms_median", "time_ms_min", "time_ms_std", "images_per_s",
+_TIME_FIELDS = ("time_ms", "time_ms_blocks", "time_ms_median", "time_ms_spread", "images_per_s",
                 "achieved_gflops_per_s", "load_before", "wall_s")
 #: Each peak-memory measure and the fields taken with it from the repeat where it is lowest.
-_PEAK_FIELDS = {"peak_mib": ("peak_mib", "baseline_mib", "peak_total_mib"), "torch_peak_mib": ("torch_peak_mib",)}
+_PEAK_FIELDS = {"peak_mib": ("peak_mib", "baseline_mib", "peak_total_mib", "state_mib"),
+                "torch_peak_mib": ("torch_peak_mib",), "rss_peak_mib": ("rss_peak_mib",)}
 
 
 def merge_repeat(best: dict, new: dict) -> dict:
-    """Fold a repeat of a point into its row: the lowest median's time fields, the lowest peak memory."""
+    """Fold a repeat of a point into its row: the fastest repeat's time fields, the lowest of each peak memory.
+
+    ``repeat_times_ms`` and ``repeat_peaks_mib`` list every repeat (``None`` for one that failed).
+    """
     out = dict(best)
-    out.setdefault("repeat_medians_ms", [best.get("time_ms_median")])
+    out.setdefault("repeat_times_ms", [best.get("time_ms")])
     out.setdefault("repeat_peaks_mib", [best.get("peak_mib")])
-    if new.get("status") != "ok":
-        out["repeat_medians_ms"] = out["repeat_medians_ms"] + [None]
-        out["repeat_peaks_mib"] = out["repeat_peaks_mib"] + [None]
+    ok = new.get("status") == "ok"
+    out["repeat_times_ms"] = out["repeat_times_ms"] + [new.get("time_ms") if ok else None]
+    out["repeat_peaks_mib"] = out["repeat_peaks_mib"] + [new.get("peak_mib") if ok else None]
+    out["repeats"] = len(out["repeat_times_ms"])
+    if not ok:
         return out
-    out["repeat_medians_ms"] = out["repeat_medians_ms"] + [new.get("time_ms_median")]
-    out["repeat_peaks_mib"] = out["repeat_peaks_mib"] + [new.get("peak_mib")]
-    if new["time_ms_median"] < out["time_ms_median"]:
+    if isinstance(new.get("time_ms"), int | float) and new["time_ms"] < (out.get("time_ms") or math.inf):
         out.update({k: new[k] for k in _TIME_FIELDS if k in new})
     for key, fields in _PEAK_FIELDS.items():
         if isinstance(new.get(key), int | float) and (
             not isinstance(out.get(key), int | float) or new[key] < out[key]
         ):
             out.update({k: new[k] for k in fields if k in new})
-    out["repeats"] = len(out["repeat_medians_ms"])
     return out
 
 
@@ -318,4 +299,5 @@ def describe(row: dict) -> str:
         return f"{head}: {row.get('status')} ({row.get('error', '')})"
     mem = row.get("peak_mib")
     mem_s = f", peak {mem:.1f} MiB" if isinstance(mem, int | float) else ""
-    return f"{head}: {row['time_ms_mean']:.2f} ms, {row['images_per_s']:.2f} img/s{mem_s}"
+    time_s = f"{row['time_ms']:.2f} ms, {row['images_per_s']:.2f} img/s" if row.get("time_ms") else "not timed"
+    return f"{head}: {time_s}{mem_s}"

@@ -1,0 +1,190 @@
+"""One benchmark point, run in a process of its own (``ssogvit.bench.runner`` starts it).
+
+A point is a dict: what to build (``kind`` ``"model"``, ``"operator"`` or ``"matmul"``), resolution, batch, mode
+(``"inference"`` or ``"train"``: forward, backward and an AdamW step), precision, device, threads, iterations and an
+optional memory cap. ``run(point)`` builds it, warms it up, times it with ``torch.utils.benchmark.Timer`` and
+measures its peak memory (``ssogvit.bench.memory``); it never raises: a failure is the row's ``status``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ssogvit.bench import memory
+
+__all__ = ["run", "is_oom"]
+
+_OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory", "bad_alloc")
+_AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (PyTorch's CPU or CUDA out-of-memory error, ``MemoryError``)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+
+
+def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Callable[[], Any], torch.Tensor, dict]:
+    """Return ``(module, forward, x, info)``: ``forward()`` runs the module once on the point's input ``x``."""
+    from ssogvit.bench.flops import count_flops, grid_of, mixer_flops
+
+    batch = int(spec["batch"])
+    info: dict[str, Any] = {}
+    if spec["kind"] == "model":
+        from ssogvit.models import create_model
+
+        res = int(spec["res"])
+        model = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {}))
+        info["gflops_per_image"] = count_flops(model, res) / 1e9
+        gh, gw = grid_of(model, res)
+        info["grid"] = [gh, gw]
+        info["tokens"] = int(getattr(model, "num_prefix_tokens", 1)) + gh * gw
+        model = model.to(device)
+        x = torch.randn(batch, getattr(model, "in_chans", 3), res, res, device=device)
+        return model, lambda: model(x), x, info
+    if spec["kind"] == "operator":
+        dim, heads, prefix = int(spec["dim"]), int(spec["heads"]), int(spec.get("prefix", 1))
+        gh, gw = spec["grid"]
+        options = dict(spec.get("mixer_options") or {})
+        x = torch.randn(batch, prefix + gh * gw, dim, device=device)
+        if spec["mixer"] == "torch-mha":
+            mha = torch.nn.MultiheadAttention(dim, heads, batch_first=True, **options)
+            info["gflops_per_image"] = mixer_flops(mha, (gh, gw), prefix)["total"] / 1e9
+            mha = mha.to(device)
+            return mha, lambda: mha(x, x, x, need_weights=False)[0], x, info
+        from ssogvit.layers import create_mixer
+
+        mixer = create_mixer(spec["mixer"], dim, heads, **options)
+        info["gflops_per_image"] = mixer_flops(mixer, (gh, gw), prefix)["total"] / 1e9
+        mixer = mixer.to(device)
+        return mixer, lambda: mixer(x, grid=(gh, gw)), x, info
+    if spec["kind"] == "matmul":  # the machine's dense matmul rate, the ceiling for every mixer
+        size = int(spec.get("size", 2048))
+        lin = torch.nn.Linear(size, size, bias=False).to(device)
+        a = torch.randn(size, size, device=device)
+        info["gflops_per_image"] = 2 * size**3 / 1e9
+        return lin, lambda: torch.mm(a, lin.weight), a, info
+    raise ValueError(f"unknown point kind {spec['kind']!r}; expected 'model', 'operator' or 'matmul'")
+
+
+def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: torch.device, precision: str,
+              train: bool) -> tuple[Callable[[], Any], torch.optim.Optimizer | None]:
+    """One call of the point and its optimizer: inference (``torch.inference_mode``; no optimizer) or a whole training
+    step (forward, the mean of the output as loss, backward, ``torch.optim.AdamW`` step, gradients set to ``None``)."""
+    amp = _AMP[precision]
+    module.train(train)
+    if not train:
+
+        def infer():
+            with torch.inference_mode(), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                return forward()
+
+        return infer, None
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step():
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            loss = forward().float().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt
+
+
+def _time(step: Callable[[], Any], *, iters: int, blocks: int, batch: int) -> dict[str, Any]:
+    """``blocks`` blocked measurements of ``iters`` calls each (``Timer.timeit``); the best block is the estimate."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    per_call = [timer.timeit(number=iters).mean for _ in range(blocks)]
+    best = min(per_call)
+    return dict(
+        time_ms=1e3 * best, time_ms_blocks=[1e3 * t for t in per_call],
+        time_ms_median=1e3 * statistics.median(per_call), time_ms_spread=(max(per_call) - best) / best,
+        images_per_s=batch / best,
+    )
+
+
+def _setup(spec: dict[str, Any], device: torch.device, result: dict[str, Any]) -> None:
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    if spec.get("flush_denormal"):
+        torch.set_flush_denormal(True)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available")
+    torch.manual_seed(int(spec.get("seed", 0)))
+    torch.mm(torch.ones(512, 512), torch.ones(512, 512))  # start the thread pool before any cap
+    cap = spec.get("mem_cap_mib")
+    if cap:
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**20 / total), device)
+        else:
+            memory.limit_arenas(2)  # each malloc arena reserves 64 MiB of address space, which the cap counts
+            memory.cap_address_space(float(cap))
+        result["mem_cap_mib"] = cap
+
+
+def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, forward: Callable[[], Any],
+                    device: torch.device, train: bool) -> dict[str, Any]:
+    """Peak memory of one ``step``; ``kept``: the module, its optimizer (or ``None``) and the input."""
+    if device.type == "cuda":
+        return memory.cuda_peak_call(step, device)
+    how = spec.get("memory", "allocator")
+    out: dict[str, Any] = {}
+    if how in ("resident", "both"):
+        rss = memory.cpu_peak_call(step)
+        out.update(rss, rss_peak_mib=rss["peak_mib"])
+    if how in ("allocator", "both"):
+        alloc = memory.torch_peak_call(step, kept=kept)
+        method = "torch allocator (profiler memory events)" + ("; resident in rss_peak_mib" if how == "both" else "")
+        out.update(alloc, peak_mib=alloc["torch_peak_mib"], memory_method=method)
+    if train and spec.get("kind") == "model":
+        amp = _AMP[spec.get("dtype", "fp32")]
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            out.update(memory.saved_for_backward(kept[0], forward, exclude=[kept[-1]]))
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build, warm up, time and measure one point; never raises (failures are a ``status``)."""
+    result: dict[str, Any] = {"status": "ok"}
+    stage = "setup"
+    try:
+        device = torch.device(spec.get("device", "cpu"))
+        _setup(spec, device, result)
+        train = spec.get("mode", "inference") == "train"
+        stage = "build"
+        module, forward, x, info = _build(spec, device)
+        result.update(info, params=sum(p.numel() for p in module.parameters()))
+        step, opt = make_step(module, forward, device=device, precision=spec.get("dtype", "fp32"), train=train)
+        stage = "warm-up"
+        for _ in range(int(spec.get("warmup", 10))):
+            step()
+        if int(spec.get("iters", 50)) > 0:
+            stage = "timing"
+            result.update(_time(step, iters=int(spec.get("iters", 50)), blocks=int(spec.get("blocks", 3)),
+                                batch=int(spec["batch"])))
+            gf = result.get("gflops_per_image")
+            if gf:
+                result["achieved_gflops_per_s"] = gf * result["images_per_s"]
+        if spec.get("measure_memory", True):
+            stage = "memory"
+            result.update(_measure_memory(spec, step, [module, opt, x], forward, device, train))
+    except BaseException as exc:  # a point's failure is its result
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        result["status"] = "oom" if is_oom(exc) else "error"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        result["error"] = f"{stage}: {type(exc).__name__}: {first}"
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-2000:]
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
