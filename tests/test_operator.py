@@ -383,8 +383,8 @@ def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(mo
         ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl="stacked", head_chunk=1)
         ops.ssog_mix(values, (gh, gw), ky, kx, lam, impl="stacked", head_chunk=2)
 
-    def near_tiny_rows(z, inplace=False):
-        rows = torch.full(z.shape, 2 * tiny)
+    def near_tiny_rows(delta, mu, scale, inplace=None):
+        rows = torch.full(torch.broadcast_shapes(delta.shape, mu.shape, scale.shape), 2 * tiny)
         rows[..., 0] = 1.0
         return rows
 

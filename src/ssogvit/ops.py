@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ssogvit.backends import torch as torch_backend
 from ssogvit.backends import triton as triton_backend
-from ssogvit.backends._common import flush_tiny, functional_only, prefix_pool
+from ssogvit.backends._common import flush_tiny, functional_only, gaussian_rows_grad, prefix_pool
 
 __all__ = [
     "SSOG_IMPLS",
@@ -35,8 +35,7 @@ __all__ = [
     "steer_gate",
     "steered_geometry",
     "token_axis_kernels",
-    "steered_axis_scale",
-    "axis_line",
+    "kernel_scale",
     "gaussian_rows",
 ]
 
@@ -123,44 +122,61 @@ def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
         Kernels of shape ``S + (L, L)`` in ``position_dtype(mu.dtype)``; each row sums to 1.
     """
     dtype = position_dtype(mu.dtype)
-    mu, sigma, tau = mu.to(dtype), sigma.to(dtype), tau.to(dtype)
     pos = torch.arange(length, device=mu.device, dtype=dtype)
-    delta = pos[None, :] - pos[:, None]  # (L, L): source j minus query i
-    scale = 2.0 * sigma.square() * tau  # S
-    logits = -(delta - mu[..., None, None]).square() / scale[..., None, None]  # S + (L, L)
-    return flush_tiny(torch.softmax(logits, dim=-1))
+    delta = pos[None, :] - pos[:, None]  # (L, L): source j minus query i, exact integers
+    scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
+    return gaussian_rows(delta, mu.to(dtype)[..., None, None], scale[..., None, None])
 
 
-def steered_axis_scale(query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
-    """A steered kernel row as a line ``z_j = s * j + o`` whose square is the row's negative logit (docs/operator.md,
-    "Steered mixing"): ``s = 1 / (sigma * sqrt(2 tau))`` and ``o = -(q + mu) * s``, so that
-    ``-(j - q - mu)^2 / (2 sigma^2 tau) = -z_j^2``.
+def kernel_scale(sigma: Tensor, tau: Tensor) -> Tensor:
+    """``s = 1 / (sigma sqrt(2 tau))``, so that a kernel's logit ``-(d - mu)^2 / (2 sigma^2 tau)`` is
+    ``-((d - mu) s)^2``; in ``position_dtype`` (docs/operator.md, "Axis kernels")."""
+    dtype = position_dtype(sigma.dtype)
+    return torch.rsqrt(2.0 * tau.to(dtype)) / sigma.to(dtype)
+
+
+def gaussian_rows(delta: Tensor, mu: Tensor, scale: Tensor, *, inplace: bool | None = None) -> Tensor:
+    """Kernel rows ``K[..., j] = softmax_j(-((delta_j - mu) * scale)^2)``, denormal entries set to zero (docs/operator.md,
+    "Axis kernels", "Denormals"): the one evaluation of the Gaussian kernel, for the fixed and the steered field.
 
     Args:
-        query: the query index ``q`` along the axis (integer or float tensor), broadcastable to ``mu``'s shape.
-        mu, sigma: per-token centre and width along the axis, shape ``S``.
-        tau: temperature, broadcastable to ``S``.
+        delta: source minus query position ``j - i`` (exact integers, in ``position_dtype``), broadcastable to the
+            result; its last axis is the row.
+        mu, scale: centres and ``kernel_scale``, broadcastable to the result with a trailing axis of size 1.
+        inplace: build the table in one buffer, updated in place (inference). ``None``: whenever autograd and tracing
+            allow it.
 
     Returns:
-        ``(s, o)``, each of shape ``S`` in ``position_dtype(mu.dtype)``.
+        Rows of the broadcast shape. With autograd, ``_GaussianRows`` keeps the rows, ``mu`` and ``scale`` for
+        backward (one table, not the four a plain graph keeps).
     """
-    dtype = position_dtype(mu.dtype)
-    scale = torch.rsqrt(2.0 * torch.as_tensor(tau).to(dtype)) / sigma.to(dtype)
-    return scale, -(query + mu.to(dtype)) * scale
+    grad = torch.is_grad_enabled() and (mu.requires_grad or scale.requires_grad)
+    if grad and not functional_only():
+        return _GaussianRows.apply(delta, mu, scale)
+    if inplace is None:
+        inplace = not grad and not functional_only()
+    z = torch.sub(delta, mu).mul_(scale) if inplace else (delta - mu) * scale
+    return flush_tiny(torch.softmax(z.square_().neg_() if inplace else -z.square(), dim=-1))
 
 
-def axis_line(length: int, scale: Tensor, offset: Tensor) -> Tensor:
-    """``z[..., j] = scale * j + offset`` for ``j < length``: shape ``S + (L,)`` from ``scale`` and ``offset`` of shape
-    ``S`` (``steered_axis_scale``)."""
-    pos = torch.arange(length, device=scale.device, dtype=scale.dtype)
-    return torch.addcmul(offset[..., None], pos, scale[..., None])
+class _GaussianRows(torch.autograd.Function):
+    """``gaussian_rows`` with autograd: saves the rows (and the small ``mu``, ``scale``), recomputes ``z`` in backward."""
 
+    @staticmethod
+    def forward(ctx, delta: Tensor, mu: Tensor, scale: Tensor) -> Tensor:
+        with torch.no_grad():
+            rows = gaussian_rows(delta, mu, scale, inplace=True)
+        ctx.save_for_backward(delta, mu, scale, rows)
+        return rows
 
-def gaussian_rows(z: Tensor, *, inplace: bool = False) -> Tensor:
-    """``softmax_j(-z_j^2)`` over the last axis, denormal entries set to zero (docs/operator.md, "Denormals").
-    ``inplace`` overwrites ``z`` on the way (inference only)."""
-    logits = z.square_().neg_() if inplace else -z.square()
-    return flush_tiny(torch.softmax(logits, dim=-1))
+    @staticmethod
+    def backward(ctx, g_rows: Tensor):
+        delta, mu, scale, rows = ctx.saved_tensors
+        d = delta - mu
+        g_z = gaussian_rows_grad(rows, d * scale, g_rows)
+        g_mu = -(g_z * scale).sum(-1, keepdim=True).sum_to_size(mu.shape) if ctx.needs_input_grad[1] else None
+        g_scale = (g_z * d).sum(-1, keepdim=True).sum_to_size(scale.shape) if ctx.needs_input_grad[2] else None
+        return None, g_mu, g_scale
 
 
 def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
@@ -168,16 +184,17 @@ def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, ta
 
     Args:
         length: axis length ``L``.
-        query: the query index ``q`` along the axis (integer or float tensor), broadcastable to ``mu``'s shape.
+        query: the query index ``q`` along the axis (an integer tensor), broadcastable to ``mu``'s shape.
         mu, sigma: per-token geometry, shape ``S``.
         tau: temperature, broadcastable to ``S``.
 
     Returns:
         Kernel rows of shape ``S + (L,)`` in ``position_dtype(mu.dtype)``.
     """
-    scale, offset = steered_axis_scale(query, mu, sigma, tau)
-    inference = not (torch.is_grad_enabled() and (mu.requires_grad or sigma.requires_grad)) and not functional_only()
-    return gaussian_rows(axis_line(length, scale, offset), inplace=inference)
+    dtype = position_dtype(mu.dtype)
+    delta = torch.arange(length, device=mu.device) - torch.as_tensor(query, device=mu.device)[..., None]  # j - q
+    scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
+    return gaussian_rows(delta.to(dtype), mu.to(dtype)[..., None], scale[..., None])
 
 
 def steered_geometry(
@@ -314,12 +331,7 @@ def ssog_mix_steered(
         Mixed values ``(B, P + N, D)``.
     """
     _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
-    gh, gw = grid
-    b, h, r = mu.shape[0], mu.shape[2], mu.shape[3]
-    iy, ix = torch.meshgrid(torch.arange(gh, device=mu.device), torch.arange(gw, device=mu.device), indexing="ij")
-    query = torch.stack([iy, ix], dim=-1).view(1, gh * gw, 1, 1, 2)  # each token's own (y, x) cell
-    scale, offset = steered_axis_scale(query, mu, sigma, tau.reshape(-1).view(1, 1, -1, 1, 1))  # (B, N, H, R, 2)
+    tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
     return torch_backend.mix_steered(
-        values, grid, scale, offset, lam.reshape(b, gh * gw, h, r), head_chunk=head_chunk, inplace=inplace,
-        rows=gaussian_rows, line=axis_line,
+        values, grid, mu, kernel_scale(sigma, tau), lam, head_chunk=head_chunk, inplace=inplace, rows=gaussian_rows
     )

@@ -187,10 +187,8 @@ class _StackedMix(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------------
 # Content-steered SSoG
 
-#: ``rows(z, inplace=...)``: ``softmax_j(-z_j^2)``, flushed (``ssogvit.ops.gaussian_rows``).
+#: ``rows(delta, mu, scale, inplace=...)``: Gaussian kernel rows (``ssogvit.ops.gaussian_rows``).
 Rows = Callable[..., Tensor]
-#: ``line(length, scale, offset)``: ``z_j = scale * j + offset`` (``ssogvit.ops.axis_line``).
-Line = Callable[[int, Tensor, Tensor], Tensor]
 
 
 class _Steered:
@@ -200,32 +198,35 @@ class _Steered:
     Row pass, batched over ``(b, iy, h)``: ``(ix, (r, k)) @ ((r, k), d)``, the x-rows and weights steered by the query.
     """
 
-    def __init__(self, values: Tensor, grid: tuple[int, int], scale: Tensor, offset: Tensor, lam: Tensor,
-                 rows: Rows, line: Line):
+    def __init__(self, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, rows: Rows):
         b, t, d = values.shape
         self.gh, self.gw = gh, gw = grid
         self.b, self.t, self.d, self.p = b, t, d, t - gh * gw
-        self.h, self.r = scale.shape[2], scale.shape[3]
+        self.h, self.r = mu.shape[2], mu.shape[3]
         self.dh = d // self.h
-        self.rows, self.line = rows, line
+        self.rows, self.values = rows, values
         self.v = values[:, self.p:].view(b, gh, gw, self.h, self.dh)
-        scale = scale.reshape(b, gh, gw, self.h, self.r, 2)
-        offset = offset.reshape(b, gh, gw, self.h, self.r, 2)
+        mu = mu.reshape(b, gh, gw, self.h, self.r, 2)
+        scale = scale.expand(b, gh * gw, self.h, self.r, 2).reshape(b, gh, gw, self.h, self.r, 2)
         col, row = (0, 2, 3, 1, 4), (0, 1, 3, 2, 4)  # (b, iy, k, h, r) -> (b, k, h, iy, r) / (b, iy, h, ix, r)
-        # small per-token tensors, made contiguous in each pass's layout so that the tables come out in it too
-        self.s_y, self.o_y = scale[..., 0].permute(col).contiguous(), offset[..., 0].permute(col).contiguous()
-        self.s_x, self.o_x = scale[..., 1].permute(row).contiguous(), offset[..., 1].permute(row).contiguous()
+        # small per-token tensors, made contiguous in each pass's layout (with a row axis) so that the tables are too
+        self.mu_y, self.s_y = (t[..., 0].permute(col).contiguous()[..., None] for t in (mu, scale))
+        self.mu_x, self.s_x = (t[..., 1].permute(row).contiguous()[..., None] for t in (mu, scale))
         self.lam = lam.reshape(b, gh, gw, self.h, self.r).permute(row).contiguous()[..., None]  # (b, iy, h, ix, r, 1)
+        pd = self.s_y.dtype
+        # j - i for the query row i of each table row: (iy, r, jy) and (ix, r, k), exact integers
+        self.delta_y = _offsets(gh, pd, values.device)[:, None, :]
+        self.delta_x = _offsets(gw, pd, values.device)[:, None, :]
 
     def chunks(self, chunk: int):
         for h0 in range(0, self.h, chunk):
             yield slice(h0, min(self.h, h0 + chunk))
 
-    def z_y(self, hs: slice) -> Tensor:
-        return self.line(self.gh, self.s_y[:, :, hs], self.o_y[:, :, hs])  # (b, k, c, iy, r, jy)
+    def k_y(self, hs: slice, inplace: bool) -> Tensor:
+        return self.rows(self.delta_y, self.mu_y[:, :, hs], self.s_y[:, :, hs], inplace=inplace)  # (b,k,c,iy,r,jy)
 
-    def z_x(self, hs: slice) -> Tensor:
-        return self.line(self.gw, self.s_x[:, :, hs], self.o_x[:, :, hs])  # (b, iy, c, ix, r, k)
+    def k_x(self, hs: slice, inplace: bool) -> Tensor:
+        return self.rows(self.delta_x, self.mu_x[:, :, hs], self.s_x[:, :, hs], inplace=inplace)  # (b,iy,c,ix,r,k)
 
     def v_cols(self, hs: slice) -> Tensor:
         c = hs.stop - hs.start
@@ -242,8 +243,8 @@ class _Steered:
         b, gh, gw, r, dh = self.b, self.gh, self.gw, self.r, self.dh
         c = hs.stop - hs.start
         dtype = self.v.dtype
-        u_b = self.column_pass(self.rows(self.z_y(hs), inplace=inplace).to(dtype), self.v_cols(hs), c)
-        kx = self.rows(self.z_x(hs), inplace=inplace)
+        u_b = self.column_pass(self.k_y(hs, inplace).to(dtype), self.v_cols(hs), c)
+        kx = self.k_x(hs, inplace)
         kx = flush_tiny_product(kx.mul_(self.lam[:, :, hs]) if inplace else kx * self.lam[:, :, hs]).to(dtype)
         return torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
 
@@ -255,29 +256,32 @@ class _Steered:
         return torch.cat([prefix_pool(patches, self.p), mixed], dim=1) if self.p else mixed
 
 
+def _offsets(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    pos = torch.arange(length, device=device, dtype=dtype)
+    return pos[None, :] - pos[:, None]  # (L, L): j - i
+
+
 def mix_steered(
-    values: Tensor, grid: tuple[int, int], scale: Tensor, offset: Tensor, lam: Tensor, *,
-    head_chunk: int | None, inplace: bool, rows: Rows, line: Line,
+    values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+    head_chunk: int | None, inplace: bool, rows: Rows,
 ) -> Tensor:
-    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there) from each token's kernel lines ``scale``, ``offset``
-    ``(B, N, H, R, 2)`` (``ssogvit.ops.steered_axis_scale``) and mixture weights ``lam`` ``(B, N, H, R)``, one head
-    chunk at a time. With autograd, ``_SteeredMix`` saves the values and these small per-token tensors only, and
-    recomputes the kernel tables in backward."""
-    chunk = scale.shape[2] if head_chunk is None else max(1, int(head_chunk))
-    operands = (values, scale, offset, lam)
+    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there) from each token's centres ``mu`` ``(B, N, H, R, 2)``,
+    kernel scales ``scale`` (``ssogvit.ops.kernel_scale``, broadcastable to ``mu``) and mixture weights ``lam``
+    ``(B, N, H, R)``, one head chunk at a time. With autograd, ``_SteeredMix`` saves the values and these small
+    per-token tensors only, and recomputes the kernel tables in backward."""
+    chunk = mu.shape[2] if head_chunk is None else max(1, int(head_chunk))
     if functional_only():
-        return _Steered(values, grid, scale, offset, lam, rows, line).functional_forward(chunk)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
-        return _SteeredMix.apply(values, scale, offset, lam, grid, chunk, rows, line)
-    return _steered_into(values if inplace else torch.empty_like(values), values, grid, scale, offset, lam, chunk,
-                         rows, line)
+        return _Steered(values, grid, mu, scale, lam, rows).functional_forward(chunk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (values, mu, scale, lam)):
+        return _SteeredMix.apply(values, mu, scale, lam, grid, chunk, rows)
+    return _steered_into(values if inplace else torch.empty_like(values), _Steered(values, grid, mu, scale, lam, rows),
+                         chunk)
 
 
-def _steered_into(out: Tensor, values: Tensor, grid, scale, offset, lam, chunk: int, rows: Rows, line: Line) -> Tensor:
-    """The steered mixing written into ``out`` (``values`` itself in place: each chunk's values are read for the last
-    time before its result is written), prefix rows first."""
-    op = _Steered(values, grid, scale, offset, lam, rows, line)
-    write_prefix_pool(out, values, op.p)
+def _steered_into(out: Tensor, op: _Steered, chunk: int) -> Tensor:
+    """The steered mixing written into ``out`` (the values themselves in place: each chunk's values are read for the
+    last time before its result is written), prefix rows first."""
+    write_prefix_pool(out, op.values, op.p)
     o = out[:, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
     for hs in op.chunks(chunk):
         o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)
@@ -286,65 +290,65 @@ def _steered_into(out: Tensor, values: Tensor, grid, scale, offset, lam, chunk: 
 
 class _SteeredMix(torch.autograd.Function):
     """Steered mixing whose backward recomputes the kernel tables and the column pass one head chunk at a time, so
-    training keeps only the values and the per-token lines and weights (``5 H R`` numbers per token) for backward.
-    The backward is written with differentiable operations (out of place when a graph is being built), so gradient
-    penalties can differentiate it again."""
+    training keeps only the values and the per-token centres, scales and weights (``5 H R`` numbers per token) for
+    backward. The backward is written with differentiable operations (out of place when a graph is being built), so
+    gradient penalties can differentiate it again."""
 
     @staticmethod
-    def forward(ctx, values, scale, offset, lam, grid, chunk, rows, line):
-        ctx.save_for_backward(values, scale, offset, lam)
-        ctx.args = (grid, chunk, rows, line)
+    def forward(ctx, values, mu, scale, lam, grid, chunk, rows):
+        ctx.save_for_backward(values, mu, scale, lam)
+        ctx.args = (grid, chunk, rows)
         with torch.no_grad():
-            return _steered_into(torch.empty_like(values), values, grid, scale, offset, lam, chunk, rows, line)
+            return _steered_into(torch.empty_like(values), _Steered(values, grid, mu, scale, lam, rows), chunk)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        values, scale, offset, lam = ctx.saved_tensors
-        grid, chunk, rows, line = ctx.args
-        op = _Steered(values, grid, scale, offset, lam, rows, line)
+        values, mu, scale, lam = ctx.saved_tensors
+        grid, chunk, rows = ctx.args
+        op = _Steered(values, grid, mu, scale, lam, rows)
         b, gh, gw, h, r, dh = op.b, op.gh, op.gw, op.h, op.r, op.dh
         ip = not torch.is_grad_enabled()  # a graph is built (create_graph=True): no in-place ops then
         dtype = values.dtype
         g_out = grad[:, op.p:].reshape(b, gh, gw, h, dh)
         g_values = torch.zeros_like(values)
         g_v = g_values[:, op.p:].view(b, gh, gw, h, dh)
-        pos_y = torch.arange(gh, device=grad.device, dtype=scale.dtype)
-        pos_x = torch.arange(gw, device=grad.device, dtype=scale.dtype)
-        # z_j = s j + o: dL/ds = sum_j j dL/dz_j, dL/do = sum_j dL/dz_j, reduced chunk by chunk
-        g_sy, g_oy, g_sx, g_ox, g_lam = [], [], [], [], []
+        # K = softmax(-z^2), z = (delta - mu) s: dL/dmu = -s sum_j dL/dz_j, dL/ds = sum_j (delta_j - mu) dL/dz_j,
+        # reduced chunk by chunk
+        g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []
+
+        def reduce(k, delta, mu_c, s_c, g_k, g_mu, g_s):
+            d = delta - mu_c
+            g_z = gaussian_rows_grad(k, d * s_c, g_k)
+            g_mu.append(-(g_z.sum(-1) * s_c[..., 0]))
+            g_s.append((g_z * d).sum(-1))
+
         for hs in op.chunks(chunk):
             c = hs.stop - hs.start
-            z_y = op.z_y(hs)
-            ky = rows(z_y.clone() if ip else z_y, inplace=ip)
+            ky = op.k_y(hs, ip)
             v_b = op.v_cols(hs)
             u_b = op.column_pass(ky.to(dtype), v_b, c)
-            z_x = op.z_x(hs)
-            kx = rows(z_x.clone() if ip else z_x, inplace=ip)
+            kx = op.k_x(hs, ip)
             w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
             g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
             g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
             g_u = torch.bmm(w.view(b * gh * c, gw, r * gw).transpose(1, 2), g_y)  # (b*Gh*c, R*Gw, dh)
             del u_b, w
             g_lam.append((g_w * kx).sum(-1))
-            g_zx = gaussian_rows_grad(kx, z_x, g_w * op.lam[:, :, hs])
-            g_sx.append(g_zx @ pos_x)
-            g_ox.append(g_zx.sum(-1))
-            del kx, g_w, g_zx
+            reduce(kx, op.delta_x, op.mu_x[:, :, hs], op.s_x[:, :, hs], g_w * op.lam[:, :, hs], g_mux, g_sx)
+            del kx, g_w
             g_u = g_u.view(b, gh, c, r, gw, dh).permute(0, 4, 2, 1, 3, 5).reshape(b * gw * c, gh * r, dh)
             g_ky = torch.bmm(g_u, v_b.transpose(1, 2)).view(b, gw, c, gh, r, gh).to(ky.dtype)
             g_vb = torch.bmm(ky.to(dtype).view(b * gw * c, gh * r, gh).transpose(1, 2), g_u)  # (b*Gw*c, Gh, dh)
             g_v[:, :, :, hs] = g_vb.view(b, gw, c, gh, dh).permute(0, 3, 1, 2, 4)
-            g_zy = gaussian_rows_grad(ky, z_y, g_ky)
-            g_sy.append(g_zy @ pos_y)
-            g_oy.append(g_zy.sum(-1))
-            del ky, g_ky, g_u, g_zy
+            reduce(ky, op.delta_y, op.mu_y[:, :, hs], op.s_y[:, :, hs], g_ky, g_muy, g_sy)
+            del ky, g_ky, g_u
         add_prefix_grad(g_values, grad, op.p)
         col_inv, row_inv = (0, 3, 1, 2, 4), (0, 1, 3, 2, 4)  # back to (b, iy, ix, h, r)
 
         def token_major(y_parts, x_parts):
             return torch.stack([torch.cat(y_parts, 2).permute(col_inv), torch.cat(x_parts, 2).permute(row_inv)], -1)
 
-        g_scale, g_offset = token_major(g_sy, g_sx), token_major(g_oy, g_ox)
-        g_lam = torch.cat(g_lam, dim=2).permute(row_inv)
-        return (g_values, g_scale.reshape(scale.shape).to(scale.dtype), g_offset.reshape(offset.shape).to(offset.dtype),
-                g_lam.reshape(lam.shape).to(lam.dtype), None, None, None, None)
+        g_mu = token_major(g_muy, g_mux).reshape(mu.shape).to(mu.dtype)
+        g_scale = token_major(g_sy, g_sx).reshape(b, gh * gw, h, r, 2).sum_to_size(scale.shape).to(scale.dtype)
+        g_lam = torch.cat(g_lam, dim=2).permute(row_inv).reshape(lam.shape).to(lam.dtype)
+        return g_values, g_mu, g_scale, g_lam, None, None, None
