@@ -155,8 +155,11 @@ def gaussian_rows(delta: Tensor, mu: Tensor, scale: Tensor, *, inplace: bool | N
         return _GaussianRows.apply(delta, mu, scale)
     if inplace is None:
         inplace = not grad and not functional_only()
-    z = torch.sub(delta, mu).mul_(scale) if inplace else (delta - mu) * scale
-    return flush_tiny(torch.softmax(z.square_().neg_() if inplace else -z.square(), dim=-1))
+    if inplace:  # three passes over one buffer: subtract, square, scale by -s^2
+        logits = torch.sub(delta, mu).square_().mul_(-scale.square())
+    else:
+        logits = -((delta - mu) * scale).square()
+    return flush_tiny(torch.softmax(logits, dim=-1))
 
 
 class _GaussianRows(torch.autograd.Function):
