@@ -163,7 +163,8 @@ def gaussian_rows(delta: Tensor, mu: Tensor, scale: Tensor, *, inplace: bool | N
 
 
 class _GaussianRows(torch.autograd.Function):
-    """``gaussian_rows`` with autograd: saves the rows (and the small ``mu``, ``scale``), recomputes ``z`` in backward."""
+    """``gaussian_rows`` with autograd: saves the rows (and the small ``mu``, ``scale``); backward recomputes
+    ``delta - mu`` (``backends._common.gaussian_rows_grad``)."""
 
     @staticmethod
     def forward(ctx, delta: Tensor, mu: Tensor, scale: Tensor) -> Tensor:
@@ -175,11 +176,8 @@ class _GaussianRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_rows: Tensor):
         delta, mu, scale, rows = ctx.saved_tensors
-        d = delta - mu
-        g_z = gaussian_rows_grad(rows, d * scale, g_rows)
-        g_mu = -(g_z * scale).sum(-1, keepdim=True).sum_to_size(mu.shape) if ctx.needs_input_grad[1] else None
-        g_scale = (g_z * d).sum(-1, keepdim=True).sum_to_size(scale.shape) if ctx.needs_input_grad[2] else None
-        return None, g_mu, g_scale
+        g_mu, g_scale = gaussian_rows_grad(rows, delta - mu, scale, g_rows)
+        return None, g_mu.sum_to_size(mu.shape), g_scale.sum_to_size(scale.shape)
 
 
 def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:

@@ -114,11 +114,31 @@ def head_grads(
     return g_ky, g_kx, g_v
 
 
-def gaussian_rows_grad(rows: Tensor, z: Tensor, g_rows: Tensor) -> Tensor:
-    """Backward of ``rows = softmax_j(-z_j^2)`` (``ssogvit.ops.gaussian_rows``): ``dL/dz`` from ``dL/drows``.
-    Flushed entries are zero in ``rows`` and so pass no gradient, as the flush's own derivative says."""
-    g_logits = rows * (g_rows - (rows * g_rows).sum(-1, keepdim=True))  # softmax backward
-    return -2.0 * z * g_logits  # d(-z^2)/dz
+def gaussian_rows_grad(rows: Tensor, d: Tensor, scale: Tensor, g_rows: Tensor, *, inplace: bool = False
+                       ) -> tuple[Tensor, Tensor]:
+    """Backward of ``rows = softmax_j(-(d_j s)^2)`` (``ssogvit.ops.gaussian_rows``, ``d = delta - mu``).
+
+    With ``dL/dl_j = K_j (g_j - sum_i K_i g_i)`` (softmax; flushed entries are zero in ``rows`` and pass nothing) and
+    ``l_j = -d_j^2 s^2``: ``dL/dmu = 2 s^2 sum_j dL/dl_j d_j`` and ``dL/ds = -2 s sum_j dL/dl_j d_j^2``.
+
+    Args:
+        rows, d, g_rows: the rows, ``delta - mu`` and ``dL/drows``, broadcast to one shape.
+        scale: ``s`` with a trailing axis of size 1.
+        inplace: overwrite ``g_rows`` on the way (one table less; not when a graph is being built).
+
+    Returns:
+        ``(dL/dmu, dL/ds)`` per row, with a trailing axis of size 1 (reduce them to ``mu``'s and ``s``'s shapes).
+    """
+    dot = (rows * g_rows).sum(-1, keepdim=True)
+    if inplace:
+        t = g_rows.sub_(dot).mul_(rows).mul_(d)  # dL/dl_j d_j
+        g_mu = t.sum(-1, keepdim=True)
+        g_s = t.mul_(d).sum(-1, keepdim=True)
+    else:
+        t = rows * (g_rows - dot) * d
+        g_mu = t.sum(-1, keepdim=True)
+        g_s = (t * d).sum(-1, keepdim=True)
+    return 2.0 * scale.square() * g_mu, -2.0 * scale * g_s
 
 
 def tf32_enabled() -> bool:

@@ -312,36 +312,37 @@ class _SteeredMix(torch.autograd.Function):
         g_out = grad[:, op.p:].reshape(b, gh, gw, h, dh)
         g_values = torch.zeros_like(values)
         g_v = g_values[:, op.p:].view(b, gh, gw, h, dh)
-        # K = softmax(-z^2), z = (delta - mu) s: dL/dmu = -s sum_j dL/dz_j, dL/ds = sum_j (delta_j - mu) dL/dz_j,
-        # reduced chunk by chunk
-        g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []
+        g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []  # per chunk, reduced over the rows
 
         def reduce(k, delta, mu_c, s_c, g_k, g_mu, g_s):
-            d = delta - mu_c
-            g_z = gaussian_rows_grad(k, d * s_c, g_k)
-            g_mu.append(-(g_z.sum(-1) * s_c[..., 0]))
-            g_s.append((g_z * d).sum(-1))
+            gm, gs = gaussian_rows_grad(k, delta - mu_c, s_c, g_k, inplace=ip)
+            g_mu.append(gm[..., 0])
+            g_s.append(gs[..., 0])
 
         for hs in op.chunks(chunk):
             c = hs.stop - hs.start
-            ky = op.k_y(hs, ip)
             v_b = op.v_cols(hs)
-            u_b = op.column_pass(ky.to(dtype), v_b, c)
+            u_b = op.column_pass(op.k_y(hs, ip).to(dtype), v_b, c)  # K^y is rebuilt below, not kept meanwhile
             kx = op.k_x(hs, ip)
             w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
             g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
             g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
+            del u_b
             g_u = torch.bmm(w.view(b * gh * c, gw, r * gw).transpose(1, 2), g_y)  # (b*Gh*c, R*Gw, dh)
-            del u_b, w
+            del w
             g_lam.append((g_w * kx).sum(-1))
-            reduce(kx, op.delta_x, op.mu_x[:, :, hs], op.s_x[:, :, hs], g_w * op.lam[:, :, hs], g_mux, g_sx)
-            del kx, g_w
+            g_kx = g_w.mul_(op.lam[:, :, hs]) if ip else g_w * op.lam[:, :, hs]
+            del g_w
+            reduce(kx, op.delta_x, op.mu_x[:, :, hs], op.s_x[:, :, hs], g_kx, g_mux, g_sx)
+            del kx, g_kx
             g_u = g_u.view(b, gh, c, r, gw, dh).permute(0, 4, 2, 1, 3, 5).reshape(b * gw * c, gh * r, dh)
+            ky = op.k_y(hs, ip)
             g_ky = torch.bmm(g_u, v_b.transpose(1, 2)).view(b, gw, c, gh, r, gh).to(ky.dtype)
             g_vb = torch.bmm(ky.to(dtype).view(b * gw * c, gh * r, gh).transpose(1, 2), g_u)  # (b*Gw*c, Gh, dh)
+            del g_u
             g_v[:, :, :, hs] = g_vb.view(b, gw, c, gh, dh).permute(0, 3, 1, 2, 4)
             reduce(ky, op.delta_y, op.mu_y[:, :, hs], op.s_y[:, :, hs], g_ky, g_muy, g_sy)
-            del ky, g_ky, g_u
+            del ky, g_ky
         add_prefix_grad(g_values, grad, op.p)
         col_inv, row_inv = (0, 3, 1, 2, 4), (0, 1, 3, 2, 4)  # back to (b, iy, ix, h, r)
 
