@@ -56,10 +56,7 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     for ax in (ax_t, ax_m):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
@@ -94,10 +91,7 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
         for ax in (ax_t, ax_m):
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
@@ -134,6 +128,10 @@ def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
         ax.legend(fontsize=8)
     axes[0].set_title("Operator peak memory, fit memory ~ N^k")
     axes[1].set_title("Operator time, fit time ~ N^k")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
