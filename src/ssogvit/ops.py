@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ssogvit.backends import torch as torch_backend
 from ssogvit.backends import triton as triton_backend
-from ssogvit.backends._common import flush_tiny, functional_only, gaussian_rows_grad, prefix_pool
+from ssogvit.backends._common import flush_tiny, functional_only, gaussian_rows_grad, grid_offsets, prefix_pool
 
 __all__ = [
     "SSOG_IMPLS",
@@ -122,8 +122,7 @@ def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
         Kernels of shape ``S + (L, L)`` in ``position_dtype(mu.dtype)``; each row sums to 1.
     """
     dtype = position_dtype(mu.dtype)
-    pos = torch.arange(length, device=mu.device, dtype=dtype)
-    delta = pos[None, :] - pos[:, None]  # (L, L): source j minus query i, exact integers
+    delta = grid_offsets(length, dtype, mu.device)  # (L, L): source j minus query i, exact integers
     scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
     return gaussian_rows(delta, mu.to(dtype)[..., None, None], scale[..., None, None])
 

@@ -15,6 +15,7 @@ __all__ = [
     "flush_tiny_product",
     "functional_only",
     "gaussian_rows_grad",
+    "grid_offsets",
     "head_grads",
     "tf32_enabled",
     "prefix_pool",
@@ -49,6 +50,13 @@ def flush_tiny_product(k: Tensor) -> Tensor:
     if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
         return k - k.masked_fill(k > tiny, 0.0).detach()
     return F.threshold_(k, tiny, 0.0)
+
+
+def grid_offsets(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``delta[i, j] = j - i`` over ``length`` grid positions ``(L, L)``: the exact integer offsets of source ``j`` from
+    query ``i`` that every axis kernel is evaluated at (docs/operator.md, "Axis kernels")."""
+    pos = torch.arange(length, device=device, dtype=dtype)
+    return pos[None, :] - pos[:, None]
 
 
 def prefix_pool(patches: Tensor, num_prefix: int) -> Tensor:

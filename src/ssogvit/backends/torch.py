@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ._common import (
-    add_prefix_grad, flush_tiny_product, functional_only, gaussian_rows_grad, head_grads, prefix_pool, write_prefix_pool,
+    add_prefix_grad, flush_tiny_product, functional_only, gaussian_rows_grad, grid_offsets, head_grads, prefix_pool,
+    write_prefix_pool,
 )
 
 __all__ = ["SMALL_MIX_TOKENS", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
@@ -201,7 +202,7 @@ class _Steered:
     def __init__(self, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, rows: Rows):
         b, t, d = values.shape
         self.gh, self.gw = gh, gw = grid
-        self.b, self.t, self.d, self.p = b, t, d, t - gh * gw
+        self.b, self.d, self.p = b, d, t - gh * gw
         self.h, self.r = mu.shape[2], mu.shape[3]
         self.dh = d // self.h
         self.rows, self.values = rows, values
@@ -215,8 +216,8 @@ class _Steered:
         self.lam = lam.reshape(b, gh, gw, self.h, self.r).permute(row).contiguous()[..., None]  # (b, iy, h, ix, r, 1)
         pd = self.s_y.dtype
         # j - i for the query row i of each table row: (iy, r, jy) and (ix, r, k), exact integers
-        self.delta_y = _offsets(gh, pd, values.device)[:, None, :]
-        self.delta_x = _offsets(gw, pd, values.device)[:, None, :]
+        self.delta_y = grid_offsets(gh, pd, values.device)[:, None, :]
+        self.delta_x = grid_offsets(gw, pd, values.device)[:, None, :]
 
     def chunks(self, chunk: int):
         for h0 in range(0, self.h, chunk):
@@ -254,11 +255,6 @@ class _Steered:
         mixed = torch.cat(parts, dim=2).permute(0, 1, 3, 2, 4).reshape(self.b, self.gh * self.gw, self.d)
         patches = self.v.reshape(self.b, self.gh * self.gw, self.d)
         return torch.cat([prefix_pool(patches, self.p), mixed], dim=1) if self.p else mixed
-
-
-def _offsets(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    pos = torch.arange(length, device=device, dtype=dtype)
-    return pos[None, :] - pos[:, None]  # (L, L): j - i
 
 
 def mix_steered(
