@@ -527,3 +527,18 @@ def test_steered_training_saves_no_kernel_table():
     assert sum(saved.values()) <= values.numel() * 4 + 16 * per_token < table
     y.sum().backward()  # and the backward runs from what was kept
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (values, mu, sigma, lam, tau))
+
+
+def test_functional_mixing_refuses_a_grid_or_geometry_that_does_not_fit():
+    """The functions behind the layer refuse what the layer refuses, rather than reading patches as prefix tokens."""
+    values = torch.randn(1, 1 + 12, 8)
+    ky, kx, lam = torch.ones(2, 2, 3, 3) / 3, torch.ones(2, 2, 4, 4) / 4, torch.full((2, 2), 0.5)
+    with pytest.raises(ValueError, match="does not fit the grid"):
+        ops.ssog_mix(values, (3, 5), ky, kx, lam)
+    with pytest.raises(ValueError, match="positive ints"):
+        ops.ssog_mix(values, (3.0, 4), ky, kx, lam)
+    mu, lam_t = torch.zeros(1, 12, 2, 2, 2), torch.full((1, 12, 2, 2), 0.5)
+    with pytest.raises(ValueError, match="does not fit the grid"):
+        ops.ssog_mix_steered(values, (3, 5), mu, mu + 1, lam_t, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"mu must have one row per patch token, shape \(B, N, \.\.\.\) = \(1, 12\)"):
+        ops.ssog_mix_steered(values, (3, 4), mu[:, :6], mu + 1, lam_t, torch.tensor(1.0))

@@ -285,6 +285,7 @@ def ssog_mix(
     """
     grad_needed = torch.is_grad_enabled() and any(t.requires_grad for t in (values, ky, kx, lam))
     _check_inplace("ssog_mix", inplace, grad_needed)
+    grid = check_grid(values.shape[1], grid)[:2]
     if impl not in SSOG_IMPLS:
         raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
     if impl in ("auto", "stacked") and functional_only():
@@ -331,6 +332,12 @@ def ssog_mix_steered(
         Mixed values ``(B, P + N, D)``.
     """
     _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
+    grid = check_grid(values.shape[1], grid)[:2]
+    expected = (values.shape[0], grid[0] * grid[1])
+    for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
+        if tuple(t.shape[:2]) != expected:
+            raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., got "
+                             f"{tuple(t.shape)}")
     tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
     return torch_backend.mix_steered(
         values, grid, mu, kernel_scale(sigma, tau), lam, head_chunk=head_chunk, inplace=inplace, rows=gaussian_rows
