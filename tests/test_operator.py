@@ -407,6 +407,23 @@ def test_default_steered_head_chunk_keeps_temporaries_within_a_third_of_the_acti
     assert (chunk + 1) * per_head > dim / 3 or chunk == heads  # and it takes as many heads as fit
 
 
+@pytest.mark.parametrize("grid,batch", [((14, 14), 1), ((14, 14), 4), ((24, 24), 1), ((64, 64), 8), ((2, 2), 1)])
+def test_training_head_chunk_may_use_a_fixed_byte_budget_where_the_activation_is_small(grid, batch):
+    """In training a chunk may hold up to TRAIN_CHUNK_BYTES of temporaries (ViT-B width: four heads at 224 px,
+    batch 1), never fewer heads than in inference, and never more than the budget allows."""
+    heads, atoms, dim = 12, 4, 768
+    infer = torch_backend.default_head_chunk(grid, heads, atoms, dim, batch=batch)
+    train = torch_backend.default_head_chunk(grid, heads, atoms, dim, batch=batch, training=True)
+    per_head_bytes = 4 * batch * grid[0] * grid[1] * (atoms * sum(grid) + 2 * atoms * (dim // heads))
+    assert train >= infer
+    assert train == infer or train * per_head_bytes <= torch_backend.TRAIN_CHUNK_BYTES
+    assert train == heads or (train + 1) * per_head_bytes > torch_backend.TRAIN_CHUNK_BYTES or train == infer
+    if (grid, batch) == ((14, 14), 1):
+        assert (infer, train) == (1, 4)
+    if grid[0] >= 24 or batch >= 4:
+        assert train == infer == 1  # at 384 px, or batch 4, the activation rule already decides
+
+
 def test_flushing_the_folded_kernels_leaves_their_gradients_intact():
     """The flush after folding lambda changes values below 1e-38 but must not cut the gradient at those entries."""
     tiny = torch.finfo(torch.float32).tiny
@@ -527,6 +544,50 @@ def test_steered_training_saves_no_kernel_table():
     assert sum(saved.values()) <= values.numel() * 4 + 16 * per_token < table
     y.sum().backward()  # and the backward runs from what was kept
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (values, mu, sigma, lam, tau))
+
+
+def test_steered_layer_training_keeps_no_per_token_geometry():
+    """The steered layer's training step keeps for backward what the fixed one keeps (its values and the mixed
+    output, besides the input, which the value projection keeps anyway): the per-token geometry and the steering
+    maps' outputs are recomputed in backward (``ops.ssog_mix_steered_from``), not kept (5 H R numbers per token and
+    their intermediates through tanh, exp and softmax). Gradients still match the unsaved dense reference."""
+    dim, heads, atoms, grid = 48, 4, 4, (8, 8)
+    kept = {}
+    for steer in ((), STEER_PATHS):
+        m = make_mixer(steer, dim=dim, heads=heads, atoms=atoms)
+        x = torch.randn(2, 1 + grid[0] * grid[1], dim, **F64, requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in (x, *m.parameters())}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in skip:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = m(x, grid=grid)
+        kept[steer] = sum(saved.values())
+        w = torch.randn_like(y)
+        y_ref = dense_forward(m, x, grid)
+        params = [x, *m.parameters()]
+        for g, g_ref in zip(torch.autograd.grad((y * w).sum(), params), torch.autograd.grad((y_ref * w).sum(), params)):
+            assert rel_err(g, g_ref) < 1e-10
+    activation, field = x.numel() * 8, 8 * heads * atoms * 8  # bytes: one activation, a few numbers per head and atom
+    assert kept[STEER_PATHS] <= 2 * activation + field  # values + mixed output; the geometry alone is 5/3 of one here
+    assert kept[STEER_PATHS] <= kept[()]
+
+
+def test_steered_layer_double_backward_through_the_recomputed_geometry():
+    """A gradient penalty through the steered layer (create_graph=True): the geometry recomputed in backward joins
+    the outer graph, checked numerically in float64 for the input and every parameter."""
+    m = make_mixer(STEER_PATHS, dim=4, heads=2, atoms=2)
+    names = [n for n, _ in m.named_parameters()]
+    x = torch.randn(1, 1 + 2 * 3, 4, **F64, requires_grad=True)
+
+    def f(x, *params):
+        return torch.func.functional_call(m, dict(zip(names, params)), (x,), {"grid": (2, 3)})
+
+    assert torch.autograd.gradgradcheck(f, (x, *[p.detach().requires_grad_() for p in m.parameters()]))
 
 
 def test_functional_mixing_refuses_a_grid_or_geometry_that_does_not_fit():

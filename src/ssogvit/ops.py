@@ -11,7 +11,7 @@ The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ __all__ = [
     "prefix_pool",
     "ssog_mix",
     "ssog_mix_steered",
+    "ssog_mix_steered_from",
     "steer_gate",
     "steered_geometry",
     "token_axis_kernels",
@@ -331,14 +332,40 @@ def ssog_mix_steered(
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
+    return ssog_mix_steered_from(values, grid, _given, (mu, sigma, lam, tau), head_chunk=head_chunk, inplace=inplace)
+
+
+def _given(*geometry: Tensor) -> tuple[Tensor, ...]:
+    return geometry
+
+
+def ssog_mix_steered_from(
+    values: Tensor,
+    grid: tuple[int, int],
+    geometry: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]],
+    inputs: tuple[Tensor, ...],
+    *,
+    head_chunk: int | None = None,
+    inplace: bool = False,
+) -> Tensor:
+    """``ssog_mix_steered`` of the geometry ``geometry(*inputs) -> (mu, sigma, lam, tau)`` (shapes as there), which
+    with autograd is not kept for backward but recomputed there from ``inputs``: a training step then keeps the
+    values and ``inputs`` only (``SSoGAttention`` passes its normalised tokens, which its value projection keeps
+    anyway, and the field's parameters). ``geometry`` must be a pure differentiable function of ``inputs``.
+    """
     _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
     grid = check_grid(values.shape[1], grid)[:2]
     expected = (values.shape[0], grid[0] * grid[1])
-    for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
-        if tuple(t.shape[:2]) != expected:
-            raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., got "
-                             f"{tuple(t.shape)}")
-    tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
+
+    def scaled(*args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mu, sigma, lam, tau = geometry(*args)
+        for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
+            if tuple(t.shape[:2]) != expected:
+                raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., "
+                                 f"got {tuple(t.shape)}")
+        tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
+        return mu, kernel_scale(sigma, tau), lam
+
     return torch_backend.mix_steered(
-        values, grid, mu, kernel_scale(sigma, tau), lam, head_chunk=head_chunk, inplace=inplace, rows=gaussian_rows
+        values, grid, scaled, tuple(inputs), head_chunk=head_chunk, inplace=inplace, rows=gaussian_rows
     )

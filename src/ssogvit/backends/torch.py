@@ -17,7 +17,7 @@ from ._common import (
     write_prefix_pool,
 )
 
-__all__ = ["SMALL_MIX_TOKENS", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
+__all__ = ["SMALL_MIX_TOKENS", "TRAIN_CHUNK_BYTES", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
 
 #: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
 #: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width, mixing
@@ -33,15 +33,31 @@ def default_mix_head_chunk(batch_tokens: int, heads: int, atoms: int) -> int:
     return max(1, heads // (atoms + 2))  # a chunk's temporaries: (atoms + 2) * chunk / heads activations
 
 
-def default_head_chunk(grid: tuple[int, int], heads: int, atoms: int, dim: int) -> int:
-    """Heads per steered chunk so that one chunk's temporaries stay within about a third of the activation.
+#: In training, a steered chunk may hold this many bytes of temporaries even where that is more than a third of the
+#: activation: the step keeps ten and more activations per block for backward and every weight's gradient, so a
+#: chunk this small does not move its peak, while fewer chunks mean fewer calls (measured, docs/benchmarks.md,
+#: "Training steps": ViT-B width at 224 px, batch 1, the mixer's training step 33.6 ms with one head per chunk and
+#: 28.0 with four, at the same peak).
+TRAIN_CHUNK_BYTES = 2 * 2**20
+
+
+def default_head_chunk(
+    grid: tuple[int, int], heads: int, atoms: int, dim: int, *, batch: int = 1, training: bool = False,
+    itemsize: int = 4,
+) -> int:
+    """Heads per steered chunk so that one chunk's temporaries stay within about a third of the activation, or, in
+    training, within ``TRAIN_CHUNK_BYTES`` where that is more.
 
     Per token and head a chunk holds its kernel tables (``R * (Gh + Gw)`` entries) and, while the column pass's
-    result is re-laid out for the row pass, two copies of it (``2 * R * dh``). At ViT widths that is one head at a time.
+    result is re-laid out for the row pass, two copies of it (``2 * R * dh``). At ViT widths that is one head at a
+    time, and in training up to four at 224 px, batch 1.
     """
     gh, gw = grid
-    per_head = atoms * (gh + gw) + 2 * atoms * (dim // heads)
-    return max(1, min(heads, dim // (3 * per_head)))
+    per_head = atoms * (gh + gw) + 2 * atoms * (dim // heads)  # numbers per token
+    budget = dim / 3
+    if training:
+        budget = max(budget, TRAIN_CHUNK_BYTES / (itemsize * batch * gh * gw))
+    return max(1, min(heads, int(budget // per_head)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -257,21 +273,29 @@ class _Steered:
         return torch.cat([prefix_pool(patches, self.p), mixed], dim=1) if self.p else mixed
 
 
+#: ``geometry(*inputs) -> (mu, scale, lam)``: each token's centres ``(B, N, H, R, 2)``, kernel scales
+#: (``ssogvit.ops.kernel_scale``, broadcastable to ``mu``) and mixture weights ``(B, N, H, R)``.
+Geometry = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
 def mix_steered(
-    values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+    values: Tensor, grid: tuple[int, int], geometry: Geometry, inputs: tuple[Tensor, ...], *,
     head_chunk: int | None, inplace: bool, rows: Rows,
 ) -> Tensor:
-    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there) from each token's centres ``mu`` ``(B, N, H, R, 2)``,
-    kernel scales ``scale`` (``ssogvit.ops.kernel_scale``, broadcastable to ``mu``) and mixture weights ``lam``
-    ``(B, N, H, R)``, one head chunk at a time. With autograd, ``_SteeredMix`` saves the values and these small
-    per-token tensors only, and recomputes the kernel tables in backward."""
-    chunk = mu.shape[2] if head_chunk is None else max(1, int(head_chunk))
+    """``ssogvit.ops.ssog_mix_steered_from`` (arguments checked there): the mixing steered by ``geometry(*inputs)``,
+    one head chunk at a time. With autograd, ``_SteeredMix`` saves the values and ``inputs`` only; it recomputes the
+    geometry and the kernel tables in backward."""
+    if torch.is_grad_enabled() and not functional_only() and any(t.requires_grad for t in (values, *inputs)):
+        return _SteeredMix.apply(values, grid, head_chunk, rows, geometry, *inputs)
+    op = _Steered(values, grid, *geometry(*inputs), rows)
+    chunk = _chunk(op, head_chunk)
     if functional_only():
-        return _Steered(values, grid, mu, scale, lam, rows).functional_forward(chunk)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (values, mu, scale, lam)):
-        return _SteeredMix.apply(values, mu, scale, lam, grid, chunk, rows)
-    return _steered_into(values if inplace else torch.empty_like(values), _Steered(values, grid, mu, scale, lam, rows),
-                         chunk)
+        return op.functional_forward(chunk)
+    return _steered_into(values if inplace else torch.empty_like(values), op, chunk)
+
+
+def _chunk(op: _Steered, head_chunk: int | None) -> int:
+    return op.h if head_chunk is None else max(1, int(head_chunk))
 
 
 def _steered_into(out: Tensor, op: _Steered, chunk: int) -> Tensor:
@@ -285,67 +309,93 @@ def _steered_into(out: Tensor, op: _Steered, chunk: int) -> Tensor:
 
 
 class _SteeredMix(torch.autograd.Function):
-    """Steered mixing whose backward recomputes the kernel tables and the column pass one head chunk at a time, so
-    training keeps only the values and the per-token centres, scales and weights (``5 H R`` numbers per token) for
-    backward. The backward is written with differentiable operations (out of place when a graph is being built), so
-    gradient penalties can differentiate it again."""
+    """Steered mixing that keeps for backward only the values and the geometry's ``inputs`` (the layer passes its
+    normalised tokens, which the value projection keeps anyway, and the field's parameters). Backward recomputes the
+    per-token geometry, then the kernel tables and the column pass one head chunk at a time, and differentiates the
+    geometry with ``torch.autograd.grad``. It is written with differentiable operations (out of place when a graph is
+    being built), so gradient penalties can differentiate it again."""
 
     @staticmethod
-    def forward(ctx, values, mu, scale, lam, grid, chunk, rows):
-        ctx.save_for_backward(values, mu, scale, lam)
-        ctx.args = (grid, chunk, rows)
-        with torch.no_grad():
-            return _steered_into(torch.empty_like(values), _Steered(values, grid, mu, scale, lam, rows), chunk)
+    def forward(ctx, values, grid, head_chunk, rows, geometry, *inputs):
+        ctx.save_for_backward(values, *inputs)
+        ctx.args = (grid, head_chunk, rows, geometry)
+        op = _Steered(values, grid, *geometry(*inputs), rows)  # forward runs without grad
+        return _steered_into(torch.empty_like(values), op, _chunk(op, head_chunk))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        values, mu, scale, lam = ctx.saved_tensors
-        grid, chunk, rows = ctx.args
-        op = _Steered(values, grid, mu, scale, lam, rows)
-        b, gh, gw, h, r, dh = op.b, op.gh, op.gw, op.h, op.r, op.dh
-        ip = not torch.is_grad_enabled()  # a graph is built (create_graph=True): no in-place ops then
-        dtype = values.dtype
-        g_out = grad[:, op.p:].reshape(b, gh, gw, h, dh)
-        g_values = torch.zeros_like(values)
-        g_v = g_values[:, op.p:].view(b, gh, gw, h, dh)
-        g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []  # per chunk, reduced over the rows
+        values, *inputs = ctx.saved_tensors
+        grid, head_chunk, rows, geometry = ctx.args
+        create = torch.is_grad_enabled()  # create_graph=True: the saved inputs carry the outer graph, use them as is
+        need = ctx.needs_input_grad[5:]
+        if not create:
+            inputs = [t.detach().requires_grad_(n) for t, n in zip(inputs, need)]
+        with torch.enable_grad():
+            geo = geometry(*inputs)
+        used = geo if create else tuple(t.detach() for t in geo)
+        op = _Steered(values, grid, *used, rows)
+        g_values, g_geo = _steered_backward(op, grad, _chunk(op, head_chunk), used)
+        outs = [(o, g) for o, g in zip(geo, g_geo) if o.requires_grad]
+        wanted = [i for i, n in enumerate(need) if n]
+        g_in = [None] * len(inputs)
+        if outs and wanted:
+            found = torch.autograd.grad([o for o, _ in outs], [inputs[i] for i in wanted], [g for _, g in outs],
+                                        allow_unused=True, create_graph=create)
+            for i, g in zip(wanted, found):
+                g_in[i] = g
+        return g_values, None, None, None, None, *g_in
 
-        def reduce(k, delta, mu_c, s_c, g_k, g_mu, g_s):
-            gm, gs = gaussian_rows_grad(k, delta - mu_c, s_c, g_k, inplace=ip)
-            g_mu.append(gm[..., 0])
-            g_s.append(gs[..., 0])
 
-        for hs in op.chunks(chunk):
-            c = hs.stop - hs.start
-            v_b = op.v_cols(hs)
-            u_b = op.column_pass(op.k_y(hs, ip).to(dtype), v_b, c)  # K^y is rebuilt below, not kept meanwhile
-            kx = op.k_x(hs, ip)
-            w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
-            g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
-            g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
-            del u_b
-            g_u = torch.bmm(w.view(b * gh * c, gw, r * gw).transpose(1, 2), g_y)  # (b*Gh*c, R*Gw, dh)
-            del w
-            g_lam.append((g_w * kx).sum(-1))
-            g_kx = g_w.mul_(op.lam[:, :, hs]) if ip else g_w * op.lam[:, :, hs]
-            del g_w
-            reduce(kx, op.delta_x, op.mu_x[:, :, hs], op.s_x[:, :, hs], g_kx, g_mux, g_sx)
-            del kx, g_kx
-            g_u = g_u.view(b, gh, c, r, gw, dh).permute(0, 4, 2, 1, 3, 5).reshape(b * gw * c, gh * r, dh)
-            ky = op.k_y(hs, ip)
-            g_ky = torch.bmm(g_u, v_b.transpose(1, 2)).view(b, gw, c, gh, r, gh).to(ky.dtype)
-            g_vb = torch.bmm(ky.to(dtype).view(b * gw * c, gh * r, gh).transpose(1, 2), g_u)  # (b*Gw*c, Gh, dh)
-            del g_u
-            g_v[:, :, :, hs] = g_vb.view(b, gw, c, gh, dh).permute(0, 3, 1, 2, 4)
-            reduce(ky, op.delta_y, op.mu_y[:, :, hs], op.s_y[:, :, hs], g_ky, g_muy, g_sy)
-            del ky, g_ky
-        add_prefix_grad(g_values, grad, op.p)
-        col_inv, row_inv = (0, 3, 1, 2, 4), (0, 1, 3, 2, 4)  # back to (b, iy, ix, h, r)
+def _steered_backward(
+    op: _Steered, grad: Tensor, chunk: int, geo: tuple[Tensor, Tensor, Tensor]
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Gradients of the steered mixing ``op`` (built from the geometry ``geo = (mu, scale, lam)``) for the values and
+    for ``geo`` (docs/operator.md, "Backward"), recomputing the tables one head chunk at a time."""
+    values, (mu, scale, lam) = op.values, geo
+    b, gh, gw, h, r, dh = op.b, op.gh, op.gw, op.h, op.r, op.dh
+    ip = not torch.is_grad_enabled()  # a graph is built (create_graph=True): no in-place ops then
+    dtype = values.dtype
+    g_out = grad[:, op.p:].reshape(b, gh, gw, h, dh)
+    g_values = torch.zeros_like(values)
+    g_v = g_values[:, op.p:].view(b, gh, gw, h, dh)
+    g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []  # per chunk, reduced over the rows
 
-        def token_major(y_parts, x_parts):
-            return torch.stack([torch.cat(y_parts, 2).permute(col_inv), torch.cat(x_parts, 2).permute(row_inv)], -1)
+    def reduce(k, delta, mu_c, s_c, g_k, g_mu, g_s):
+        gm, gs = gaussian_rows_grad(k, delta - mu_c, s_c, g_k, inplace=ip)
+        g_mu.append(gm[..., 0])
+        g_s.append(gs[..., 0])
 
-        g_mu = token_major(g_muy, g_mux).reshape(mu.shape).to(mu.dtype)
-        g_scale = token_major(g_sy, g_sx).reshape(b, gh * gw, h, r, 2).sum_to_size(scale.shape).to(scale.dtype)
-        g_lam = torch.cat(g_lam, dim=2).permute(row_inv).reshape(lam.shape).to(lam.dtype)
-        return g_values, g_mu, g_scale, g_lam, None, None, None
+    for hs in op.chunks(chunk):
+        c = hs.stop - hs.start
+        v_b = op.v_cols(hs)
+        u_b = op.column_pass(op.k_y(hs, ip).to(dtype), v_b, c)  # K^y is rebuilt below, not kept meanwhile
+        kx = op.k_x(hs, ip)
+        w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
+        g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
+        g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
+        del u_b
+        g_u = torch.bmm(w.view(b * gh * c, gw, r * gw).transpose(1, 2), g_y)  # (b*Gh*c, R*Gw, dh)
+        del w
+        g_lam.append((g_w * kx).sum(-1))
+        g_kx = g_w.mul_(op.lam[:, :, hs]) if ip else g_w * op.lam[:, :, hs]
+        del g_w
+        reduce(kx, op.delta_x, op.mu_x[:, :, hs], op.s_x[:, :, hs], g_kx, g_mux, g_sx)
+        del kx, g_kx
+        g_u = g_u.view(b, gh, c, r, gw, dh).permute(0, 4, 2, 1, 3, 5).reshape(b * gw * c, gh * r, dh)
+        ky = op.k_y(hs, ip)
+        g_ky = torch.bmm(g_u, v_b.transpose(1, 2)).view(b, gw, c, gh, r, gh).to(ky.dtype)
+        g_vb = torch.bmm(ky.to(dtype).view(b * gw * c, gh * r, gh).transpose(1, 2), g_u)  # (b*Gw*c, Gh, dh)
+        del g_u
+        g_v[:, :, :, hs] = g_vb.view(b, gw, c, gh, dh).permute(0, 3, 1, 2, 4)
+        reduce(ky, op.delta_y, op.mu_y[:, :, hs], op.s_y[:, :, hs], g_ky, g_muy, g_sy)
+        del ky, g_ky
+    add_prefix_grad(g_values, grad, op.p)
+    col_inv, row_inv = (0, 3, 1, 2, 4), (0, 1, 3, 2, 4)  # back to (b, iy, ix, h, r)
+
+    def token_major(y_parts, x_parts):
+        return torch.stack([torch.cat(y_parts, 2).permute(col_inv), torch.cat(x_parts, 2).permute(row_inv)], -1)
+
+    g_mu = token_major(g_muy, g_mux).reshape(mu.shape).to(mu.dtype)
+    g_scale = token_major(g_sy, g_sx).reshape(b, gh * gw, h, r, 2).sum_to_size(scale.shape).to(scale.dtype)
+    g_lam = torch.cat(g_lam, dim=2).permute(row_inv).reshape(lam.shape).to(lam.dtype)
+    return g_values, (g_mu, g_scale, g_lam)

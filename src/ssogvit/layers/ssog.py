@@ -191,18 +191,32 @@ class SSoGAttention(nn.Module):
             ``mu (B, N, H, R, 2)``, ``sigma (B, N, H, R, 2)``, ``lambda (B, N, H, R)``; paths that are not steered
             are the fixed field broadcast over tokens.
         """
-        b, n, _ = x_patches.shape
-        h, r = self.num_heads, self.num_atoms
-        # the enabled steering maps run as one matmul over their stacked weights
+        return self._steered_geometry(*self._geometry_inputs(x_patches))[:3]
+
+    def _geometry_inputs(self, x_patches: Tensor) -> tuple[Tensor, ...]:
+        """What the geometry is a function of: the tokens, the field and, per steered path, its gates and map."""
         maps = [getattr(self, f"{p}_steer") for p in self.steer]
-        weight = torch.cat([m.weight for m in maps]) if len(maps) > 1 else maps[0].weight
-        bias = torch.cat([m.bias for m in maps]) if len(maps) > 1 else maps[0].bias
-        raw = F.linear(x_patches, weight, bias).split([m.out_features for m in maps], dim=-1)
+        gates = self.gates()
+        return (x_patches, self.mu, self.sigma(), self.ell, self.tau(), *(gates[p] for p in self.steer),
+                *(t for m in maps for t in (m.weight, m.bias)))
+
+    def _steered_geometry(self, x_patches: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, tau: Tensor,
+                          *steering: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(mu, sigma, lambda, tau)`` per token from ``_geometry_inputs``: a pure function of them, which the
+        steered mixing recomputes in backward instead of keeping its intermediates (``ops.ssog_mix_steered_from``)."""
+        b, n, _ = x_patches.shape
+        h, r, k = self.num_heads, self.num_atoms, len(self.steer)
+        gates, maps = steering[:k], steering[k:]
+        # the enabled steering maps run as one matmul over their stacked weights
+        weight = torch.cat(maps[0::2]) if k > 1 else maps[0]
+        bias = torch.cat(maps[1::2]) if k > 1 else maps[1]
+        raw = F.linear(x_patches, weight, bias).split([w.shape[0] for w in maps[0::2]], dim=-1)
         residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(self.steer, raw)}
-        return ops.steered_geometry(
-            self.mu.expand(b, n, h, r, 2), self.sigma().expand(b, n, h, r, 2), self.ell.expand(b, n, h, r), residuals,
-            self.gates(), radius=self.radius,
+        mu, sigma, lam = ops.steered_geometry(
+            mu.expand(b, n, h, r, 2), sigma.expand(b, n, h, r, 2), ell.expand(b, n, h, r), residuals,
+            dict(zip(self.steer, gates)), radius=self.radius,
         )
+        return mu, sigma, lam, tau
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -231,14 +245,17 @@ class SSoGAttention(nn.Module):
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
         # less at the peak). Never while tracing or exporting (``ops.functional_only``).
-        inplace = not (torch.is_grad_enabled() and values.requires_grad) and not ops.functional_only()
+        training = torch.is_grad_enabled() and values.requires_grad
+        inplace = not training and not ops.functional_only()
         if self.steer:
-            mu, sigma, lam = self.geometry(x[:, p:])
-            chunk = self.head_chunk or default_head_chunk((gh, gw), self.num_heads, self.num_atoms, self.dim)
-            mixed = ops.ssog_mix_steered(
-                values, (gh, gw), mu, sigma, lam, self.tau().to(mu.dtype), head_chunk=chunk, inplace=inplace
+            chunk = self.head_chunk or default_head_chunk(
+                (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
+                itemsize=values.element_size(),
             )
-            del mu, sigma, lam
+            mixed = ops.ssog_mix_steered_from(
+                values, (gh, gw), self._steered_geometry, self._geometry_inputs(x[:, p:]), head_chunk=chunk,
+                inplace=inplace,
+            )
         else:
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
             mixed = ops.ssog_mix(
