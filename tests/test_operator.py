@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ssogvit import ops, reference
+from ssogvit.backends import cpu
 from ssogvit.backends import torch as torch_backend
 from ssogvit.layers import STEER_PATHS, SSoGAttention, create_mixer
 
@@ -390,11 +391,26 @@ def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(mo
 
     monkeypatch.setattr(ops, "gaussian_rows", near_tiny_rows)
     mu = torch.zeros(1, gh * gw, h, r, 2)
+    lam = torch.full((1, gh * gw, h, r), 0.25)
     n_before = len(seen)
-    with torch.no_grad():
-        ops.ssog_mix_steered(values, (gh, gw), mu, mu + 1.0, torch.full((1, gh * gw, h, r), 0.25), torch.tensor(1.0))
+    with torch.no_grad(), cpu.enabled(False):  # the torch path builds its tables with the planted rows
+        ops.ssog_mix_steered(values, (gh, gw), mu, mu + 1.0, lam, torch.tensor(1.0))
     assert len(seen) > n_before  # the steered path ran its matmuls on the planted rows
     assert len(seen) > 0 and sum(seen) == 0, seen
+    monkeypatch.undo()
+    # The C kernel (backends.cpu), with real rows whose first neighbour is 2.1 * tiny: exp(-s^2) at s^2 = -ln(2.1 tiny)
+    s = float(-torch.log(torch.tensor(2.1 * tiny, dtype=torch.float64))) ** 0.5
+    sigma = torch.full_like(mu, 1.0 / (s * 2**0.5))  # tau = 1: s = 1 / (sigma sqrt(2))
+    if not cpu.available(ops.gaussian_rows):
+        pytest.skip("no C compiler here: the C kernel is not built")
+    rows = cpu.steered_rows(torch.zeros(1, 1, gw, r, 1), torch.full((1, 1, gw, r, 1), s), None, ops.gaussian_rows)
+    first = rows[0, 0, 0, :, 1]  # query 0, its neighbour 1: normal, and below tiny once multiplied by 0.25
+    assert ((first > tiny) & (first * 0.25 < tiny)).all(), first
+    monkeypatch.setattr(torch, "bmm", spy(real_bmm))
+    n_before = len(seen)
+    with torch.no_grad():
+        ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, torch.tensor(1.0))
+    assert len(seen) > n_before and sum(seen) == 0, seen
 
 
 @pytest.mark.parametrize("grid,heads,atoms,dim", [((14, 14), 12, 4, 768), ((64, 64), 12, 4, 768), ((2, 2), 192, 1, 768),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import cpu
 from ._common import (
     add_prefix_grad, flush_tiny_product, functional_only, gaussian_rows_grad, grid_offsets, head_grads, prefix_pool,
     write_prefix_pool,
@@ -240,10 +241,24 @@ class _Steered:
             yield slice(h0, min(self.h, h0 + chunk))
 
     def k_y(self, hs: slice, inplace: bool) -> Tensor:
-        return self.rows(self.delta_y, self.mu_y[:, :, hs], self.s_y[:, :, hs], inplace=inplace)  # (b,k,c,iy,r,jy)
+        return self._table(self.delta_y, self.mu_y[:, :, hs], self.s_y[:, :, hs], None, inplace)  # (b,k,c,iy,r,jy)
 
     def k_x(self, hs: slice, inplace: bool) -> Tensor:
-        return self.rows(self.delta_x, self.mu_x[:, :, hs], self.s_x[:, :, hs], inplace=inplace)  # (b,iy,c,ix,r,k)
+        return self._table(self.delta_x, self.mu_x[:, :, hs], self.s_x[:, :, hs], None, inplace)  # (b,iy,c,ix,r,k)
+
+    def w_x(self, hs: slice, inplace: bool) -> Tensor:
+        """The row pass's matrix ``lambda K^x``, flushed (docs/operator.md, "Denormals")."""
+        return self._table(self.delta_x, self.mu_x[:, :, hs], self.s_x[:, :, hs], self.lam[:, :, hs], inplace)
+
+    def _table(self, delta: Tensor, mu: Tensor, s: Tensor, lam: Tensor | None, inplace: bool) -> Tensor:
+        """Rows by the C kernel where it applies (in place, so no autograd: ``backends.cpu``), else by ``rows``."""
+        k = cpu.steered_rows(mu, s, lam, self.rows) if inplace else None
+        if k is not None:
+            return k
+        k = self.rows(delta, mu, s, inplace=inplace)
+        if lam is None:
+            return k
+        return flush_tiny_product(k.mul_(lam) if inplace else k * lam)
 
     def v_cols(self, hs: slice) -> Tensor:
         c = hs.stop - hs.start
@@ -261,9 +276,8 @@ class _Steered:
         c = hs.stop - hs.start
         dtype = self.v.dtype
         u_b = self.column_pass(self.k_y(hs, inplace).to(dtype), self.v_cols(hs), c)
-        kx = self.k_x(hs, inplace)
-        kx = flush_tiny_product(kx.mul_(self.lam[:, :, hs]) if inplace else kx * self.lam[:, :, hs]).to(dtype)
-        return torch.bmm(kx.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
+        w = self.w_x(hs, inplace).to(dtype)
+        return torch.bmm(w.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
 
     def functional_forward(self, chunk: int) -> Tensor:
         """All heads, concatenated, nothing written in place (traced or exported: see ``functional_only``)."""

@@ -1,0 +1,178 @@
+"""The steered mixing's kernel tables built by a small C kernel on the CPU (docs/operator.md, "Backends").
+
+Built with PyTorch operations, each table entry takes five passes (subtract, square, scale, softmax, flush) and costs
+more than the 64 multiply-adds it then feeds; ``_cpu_rows.c`` builds a row in one pass that stays in cache, with a
+vectorised ``exp``. It is compiled on first use with the system's C compiler (``$CC``, else ``cc``; about a quarter of
+a second), cached under ``$SSOGVIT_CACHE`` (default ``~/.cache/ssogvit``) by a hash of its source, flags and compiler,
+and loaded with ``ctypes``; large tables are split between OpenMP threads (PyTorch's own libgomp, so
+``torch.set_num_threads`` applies).
+The first use in a process also checks it on a small problem against the torch path. Where there is no compiler, or
+the build or that check fails, one ``RuntimeWarning`` says so and the torch path is used: slower, the same result.
+``SSOGVIT_CPU_KERNEL=0`` turns it off. It serves inference and the backward's recomputed tables (no autograd
+through it), float32 and float64, CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._common import grid_offsets
+
+__all__ = ["ENV_SWITCH", "available", "enabled", "steered_rows"]
+
+#: Environment variable: ``0`` keeps the steered tables on the torch path.
+ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
+_SOURCE = Path(__file__).with_name("_cpu_rows.c")
+_FUNCTIONS = {torch.float32: "ssog_rows_f32", torch.float64: "ssog_rows_f64"}
+_switch: list[bool] = []  # set by ``enabled``
+
+
+@contextmanager
+def enabled(flag: bool):
+    """Use the C kernel (``True``) or the torch path (``False``) inside the block, whatever ``SSOGVIT_CPU_KERNEL``
+    says (tests compare the two)."""
+    _switch.append(bool(flag))
+    try:
+        yield
+    finally:
+        _switch.pop()
+
+
+def _wanted() -> bool:
+    return _switch[-1] if _switch else os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _flags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512dq", "-mfma"]}.get(capability, [])
+    # -ffast-math lets gcc call glibc's vector exp; it is given when compiling only: linking a shared library with it
+    # would add crtfastmath.o, which switches the whole process to flushing denormals. -fopenmp links libgomp.so.1,
+    # which the loader resolves to the copy PyTorch has already loaded: one thread pool, sized by torch.
+    return ["-O3", "-ffast-math", "-fPIC", "-fopenmp", *isa]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, or ``None`` (with one warning) when it cannot be built or loaded."""
+    try:
+        return _build_or_load()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's tables is not available ({err}); using the torch "
+                      f"path, which gives the same result more slowly", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _build_or_load() -> ctypes.CDLL:
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise RuntimeError(f"no C compiler found ({os.environ.get('CC', 'cc')!r}; set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_flags()).encode(), version.encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("SSOGVIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                 / "ssogvit")
+    lib = cache / f"cpu_rows-{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            obj, out = Path(tmp) / "rows.o", Path(tmp) / "rows.so"
+            for cmd in ([cc, *_flags(), "-c", str(_SOURCE), "-o", str(obj)],
+                        [cc, "-shared", "-fopenmp", str(obj), "-o", str(out), "-lm"]):
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if done.returncode:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+            os.replace(out, lib)  # atomic: another process sees the old state or the whole library
+    handle = ctypes.CDLL(str(lib))
+    for name in _FUNCTIONS.values():
+        fn = getattr(handle, name)
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+        fn.restype = None
+    return handle
+
+
+@functools.cache
+def _checked(reference: Callable[..., Tensor]) -> bool:
+    """The kernel against the torch path (``reference`` is ``ssogvit.ops.gaussian_rows``) on a small problem with
+    centres inside and outside the grid and narrow and wide kernels, in both dtypes: one warning and ``False`` if
+    they differ."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        mu = (torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype) - 0.5) * 16
+        s = torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype) * 4 + 0.05
+        lam = torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype)
+        want = reference(grid_offsets(5, dtype, mu.device)[:, None, :], mu, s, inplace=True)
+        got, weighted = _run(mu, s, None), _run(mu, s, lam)
+        wanted_w = want * lam
+        wanted_w = wanted_w.masked_fill(wanted_w <= torch.finfo(dtype).tiny, 0.0)
+        if not (torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(weighted, wanted_w, rtol=tol,
+                                                                                      atol=tol)):
+            err = float((got - want).abs().max())
+            warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's tables disagrees with the torch path "
+                          f"(max difference {err:.3g} in {dtype}); using the torch path", RuntimeWarning,
+                          stacklevel=4)
+            return False
+    return True
+
+
+def available(reference: Callable[..., Tensor]) -> bool:
+    """Whether ``steered_rows`` will use the kernel (wanted, built, and checked against ``reference``)."""
+    return _wanted() and _library() is not None and _checked(reference)
+
+
+def steered_rows(mu: Tensor, scale: Tensor, lam: Tensor | None, reference: Callable[..., Tensor]) -> Tensor | None:
+    """Kernel rows of a steered head chunk, ``(..., C, Q, R, Q)``, from per-token ``mu``, ``scale`` (and mixture
+    weights ``lam``, multiplied in and flushed again) shaped ``(..., C, Q, R, 1)`` with the query index ``q`` on
+    the axis of size ``Q``; ``None`` where the kernel does not apply (not a CPU float32/float64 tensor, autograd on
+    them, a layout it cannot read, or the kernel unavailable): the caller then takes the torch path."""
+    args = [t for t in (mu, scale, lam) if t is not None]
+    if (mu.device.type != "cpu" or mu.dtype not in _FUNCTIONS or any(t.dtype != mu.dtype or t.shape != mu.shape
+                                                                   for t in args)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in args)) or not available(reference)):
+        return None
+    return _run(mu, scale, lam)
+
+
+def _run(mu: Tensor, scale: Tensor, lam: Tensor | None) -> Tensor | None:
+    layouts = {_layout(t) for t in (mu, scale, lam) if t is not None}
+    if len(layouts) != 1 or None in layouts:
+        return None
+    ((m, stride),) = layouts
+    *outer, c, q, r, _ = mu.shape
+    out = torch.empty(*outer, c, q, r, q, dtype=mu.dtype)
+    fn = getattr(_library(), _FUNCTIONS[mu.dtype])
+    fn(mu.data_ptr(), scale.data_ptr(), lam.data_ptr() if lam is not None else None, out.data_ptr(), stride, m, c, q, r)
+    return out
+
+
+def _layout(t: Tensor) -> tuple[int, int] | None:
+    """``(M, stride)`` when ``t`` ``(..., C, Q, R, 1)`` is ``M`` contiguous ``(C, Q, R)`` blocks ``stride`` elements
+    apart (a contiguous tensor, or a head slice of one), else ``None``."""
+    c, q, r = t.shape[-4:-1]
+    for size, stride, want in zip((c, q, r), t.stride()[-4:-1], (q * r, r, 1)):
+        if size > 1 and stride != want:
+            return None
+    m, step, expected = 1, c * q * r, None
+    for size, stride in zip(reversed(t.shape[:-4]), reversed(t.stride()[:-4])):
+        if size == 1:
+            continue
+        if expected is None:
+            step = expected = stride
+        if stride != expected:
+            return None
+        m, expected = m * size, expected * size
+    return m, step

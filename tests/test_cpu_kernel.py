@@ -1,0 +1,162 @@
+"""The C kernel for the steered mixing's tables (``ssogvit.backends.cpu``): against the torch path and the dense
+float64 reference, its refusals, and how it is built, cached, and replaced when it cannot be."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssogvit import ops, reference
+from ssogvit.backends import cpu
+from ssogvit.backends._common import grid_offsets
+
+pytestmark = pytest.mark.skipif(not cpu.available(ops.gaussian_rows), reason="no C compiler: the kernel is not built")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _operands(b, gh, gw, h, r, dh, p, dtype, spread=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = gh * gw
+    values = torch.randn(b, p + n, h * dh, generator=g, dtype=dtype)
+    mu = torch.randn(b, n, h, r, 2, generator=g, dtype=dtype) * spread  # centres inside and outside the grid
+    sigma = torch.rand(b, n, h, r, 2, generator=g, dtype=dtype) * 2 + 0.02  # narrow (0.02 cells) to wide
+    lam = torch.softmax(torch.randn(b, n, h, r, generator=g, dtype=dtype) * 2, -1)
+    tau = torch.tensor(0.8, dtype=dtype)
+    return values, mu, sigma, lam, tau
+
+
+@pytest.mark.parametrize("grid", [(1, 7), (5, 7), (14, 14), (3, 40)])
+@pytest.mark.parametrize("prefix", [0, 1])
+@pytest.mark.parametrize("chunk", [1, 2, None])
+def test_inference_equals_the_torch_path_and_the_dense_reference(grid, prefix, chunk):
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        values, mu, sigma, lam, tau = _operands(2, *grid, 3, 4, 2, prefix, dtype)
+        with torch.no_grad():
+            with cpu.enabled(True):
+                fast = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, head_chunk=chunk)
+            with cpu.enabled(False):
+                plain = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, head_chunk=chunk)
+        a = reference.with_prefix(reference.dense_steered_matrix(*(t.double() for t in (mu, sigma, lam, tau)), grid),
+                                  prefix)
+        dense = reference.dense_mix(a, values.double())
+        scale = dense.abs().max()
+        assert float((fast.double() - dense).abs().max() / scale) < tol, dtype
+        assert float((fast - plain).abs().max() / scale) < tol, dtype
+
+
+def test_training_gradients_equal_the_torch_path():
+    """The backward recomputes its tables with the kernel (no autograd through it): the same gradients."""
+    grid = (5, 6)
+    ops_in = [t.requires_grad_() for t in _operands(2, *grid, 2, 3, 2, 1, torch.float64)]
+    grads = {}
+    for on in (True, False):
+        with cpu.enabled(on):
+            y = ops.ssog_mix_steered(ops_in[0], grid, *ops_in[1:], head_chunk=1)
+            grads[on] = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum(),
+                                            ops_in)
+    for a, b in zip(grads[True], grads[False]):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_equal_gaussian_rows_at_the_extremes(dtype):
+    """Centres far outside the grid and kernels far narrower than a cell: each row still sums to 1 (its largest
+    entry is found without underflow), and entries the torch path flushes are zero here too."""
+    q, r = 9, 4
+    mu = torch.tensor([0.0, 0.49, -30.0, 200.0], dtype=dtype).expand(2, 3, q, r).contiguous()[..., None]
+    s = torch.tensor([0.01, 40.0, 3.0, 1e3], dtype=dtype).expand(2, 3, q, r).contiguous()[..., None]
+    lam = torch.rand(2, 3, q, r, 1, dtype=dtype)
+    want = ops.gaussian_rows(grid_offsets(q, dtype, "cpu")[:, None, :], mu, s, inplace=True)
+    got = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.sum(-1), torch.ones_like(got.sum(-1)), rtol=tol, atol=tol)
+    assert torch.equal(got == 0, want == 0) or (got - want).abs().max() < torch.finfo(dtype).tiny * 2
+    weighted = cpu.steered_rows(mu, s, lam, ops.gaussian_rows)
+    torch.testing.assert_close(weighted, want * lam, rtol=tol, atol=tol)
+    assert not ((weighted != 0) & (weighted.abs() < torch.finfo(dtype).tiny)).any()  # no denormal left
+
+
+def test_large_tables_split_between_threads_give_the_same_rows():
+    mu = torch.randn(8, 2, 48, 4, 1) * 3  # 147k entries: split between the threads
+    s = torch.rand(8, 2, 48, 4, 1) + 0.1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
+        torch.set_num_threads(max(2, threads))
+        many = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_what_the_kernel_refuses_goes_to_the_torch_path():
+    """``steered_rows`` answers ``None`` (the caller then builds the table with torch) for what it cannot read
+    faithfully: a layout other than contiguous (C, Q, R) blocks, mixed dtypes or shapes, autograd, other dtypes."""
+    mu, s = torch.zeros(2, 1, 4, 3, 1), torch.ones(2, 1, 4, 3, 1)
+    assert cpu.steered_rows(mu, s, None, ops.gaussian_rows) is not None
+    strided = torch.zeros(2, 1, 4, 3, 2)[..., :1]  # atoms two apart
+    assert cpu.steered_rows(strided, s, None, ops.gaussian_rows) is None
+    assert cpu.steered_rows(mu, s.double(), None, ops.gaussian_rows) is None
+    assert cpu.steered_rows(mu, s[:1], None, ops.gaussian_rows) is None
+    assert cpu.steered_rows(mu.half(), s.half(), None, ops.gaussian_rows) is None
+    assert cpu.steered_rows(mu.requires_grad_(), s, None, ops.gaussian_rows) is None
+    heads = torch.zeros(2, 1, 3, 4, 3, 1)[:, :, 1:]  # a head slice of a contiguous tensor: read in place
+    assert cpu.steered_rows(heads, torch.ones(2, 1, 3, 4, 3, 1)[:, :, 1:], None, ops.gaussian_rows) is not None
+    assert cpu.steered_rows(heads, torch.ones(2, 1, 2, 4, 3, 1), None, ops.gaussian_rows) is None  # other layout
+    with cpu.enabled(False):
+        assert cpu.steered_rows(mu.detach(), s, None, ops.gaussian_rows) is None
+
+
+_CHILD = """
+import json, os, sys, warnings
+import torch
+warnings.simplefilter("always")
+from ssogvit import ops
+from ssogvit.backends import cpu
+tiny = torch.finfo(torch.float32).tiny
+with warnings.catch_warnings(record=True) as caught:
+    used = cpu.available(ops.gaussian_rows)
+    cpu.available(ops.gaussian_rows)
+    g = torch.Generator().manual_seed(0)
+    v, mu, sigma = torch.randn(1, 13, 4, generator=g), torch.randn(1, 12, 2, 2, 2, generator=g), torch.rand(1, 12, 2, 2, 2, generator=g) + 0.3
+    with torch.no_grad():
+        y = ops.ssog_mix_steered(v, (3, 4), mu, sigma, torch.full((1, 12, 2, 2), 0.5), torch.tensor(1.0))
+print(json.dumps({"used": used, "warnings": [str(w.message) for w in caught], "y": y.flatten().tolist(),
+                  "denormal_kept": float(torch.tensor([tiny]) / 4) != 0.0}))
+"""
+
+
+def _child(tmp_path, **env):
+    full = {**os.environ, "PYTHONPATH": SRC, "SSOGVIT_CACHE": str(tmp_path / "cache"), **env}
+    done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=full, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_built_once_cached_and_loading_it_leaves_denormals_alone(tmp_path):
+    first = _child(tmp_path)
+    assert first["used"] and first["warnings"] == []
+    assert first["denormal_kept"]  # the library was not linked with -ffast-math's process-wide flush-to-zero
+    (lib,) = (tmp_path / "cache").glob("cpu_rows-*.so")
+    stamp = lib.stat().st_mtime_ns
+    second = _child(tmp_path)
+    assert second["used"] and lib.stat().st_mtime_ns == stamp  # loaded from the cache, not built again
+    assert second["y"] == first["y"]
+
+
+def test_without_a_compiler_one_warning_and_the_same_result(tmp_path):
+    with_kernel = _child(tmp_path)
+    broken = _child(tmp_path / "other", CC="false")  # a "compiler" that fails
+    assert not broken["used"]
+    assert len(broken["warnings"]) == 1 and "not available" in broken["warnings"][0]
+    assert "torch path" in broken["warnings"][0]
+    torch.testing.assert_close(torch.tensor(broken["y"]), torch.tensor(with_kernel["y"]), rtol=2e-6, atol=2e-6)
+    off = _child(tmp_path / "off", SSOGVIT_CPU_KERNEL="0")
+    assert not off["used"] and off["warnings"] == [] and not (tmp_path / "off" / "cache").exists()
