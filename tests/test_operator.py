@@ -562,6 +562,25 @@ def test_steered_training_saves_no_kernel_table():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (values, mu, sigma, lam, tau))
 
 
+def test_steered_batch_slices_give_the_same_mixing_and_gradients(monkeypatch):
+    """Large batches are mixed a few images at a time (``backends.torch.SLICE_BYTES``); with one image per slice the
+    output, the gradients and the double backward equal one slice's."""
+    ops_in = _steered_operands(b=3, tau_shape=(2,))
+    fn = lambda *a: ops.ssog_mix_steered(a[0], (3, 4), *a[1:], head_chunk=1)  # noqa: E731
+    w = torch.randn(3, 13, 4, dtype=torch.float64)
+    whole = fn(*ops_in)
+    g_whole = torch.autograd.grad((whole * w).sum(), ops_in)
+    monkeypatch.setattr(torch_backend, "SLICE_BYTES", 1)
+    assert len(torch_backend.batch_slices(ops_in[0], (3, 4), (ops_in[1], ops_in[2], ops_in[3]), 1)) == 3
+    sliced = fn(*ops_in)
+    torch.testing.assert_close(sliced, whole, rtol=1e-13, atol=1e-13)
+    for a, b in zip(torch.autograd.grad((sliced * w).sum(), ops_in), g_whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(*(t.detach() for t in ops_in)), whole.detach(), rtol=1e-13, atol=1e-13)
+    assert torch.autograd.gradgradcheck(fn, ops_in, fast_mode=True)
+
+
 def test_steered_layer_training_keeps_no_per_token_geometry():
     """The steered layer's training step keeps for backward what the fixed one keeps (its values and the mixed
     output, besides the input, which the value projection keeps anyway): the per-token geometry and the steering

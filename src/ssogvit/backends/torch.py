@@ -18,7 +18,10 @@ from ._common import (
     write_prefix_pool,
 )
 
-__all__ = ["SMALL_MIX_TOKENS", "TRAIN_CHUNK_BYTES", "default_head_chunk", "default_mix_head_chunk", "mix_fixed", "mix_steered"]
+__all__ = [
+    "SLICE_BYTES", "SMALL_MIX_TOKENS", "TRAIN_CHUNK_BYTES", "batch_slices", "default_head_chunk",
+    "default_mix_head_chunk", "mix_fixed", "mix_steered",
+]
 
 #: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
 #: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width, mixing
@@ -288,7 +291,7 @@ class _Steered:
 
 
 #: ``geometry(*inputs) -> (mu, scale, lam)``: each token's centres ``(B, N, H, R, 2)``, kernel scales
-#: (``ssogvit.ops.kernel_scale``, broadcastable to ``mu``) and mixture weights ``(B, N, H, R)``.
+#: (``ssogvit.ops.kernel_scale``, the same shape) and mixture weights ``(B, N, H, R)``.
 Geometry = Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
@@ -297,28 +300,53 @@ def mix_steered(
     head_chunk: int | None, inplace: bool, rows: Rows,
 ) -> Tensor:
     """``ssogvit.ops.ssog_mix_steered_from`` (arguments checked there): the mixing steered by ``geometry(*inputs)``,
-    one head chunk at a time. With autograd, ``_SteeredMix`` saves the values and ``inputs`` only; it recomputes the
-    geometry and the kernel tables in backward."""
+    one head chunk (and batch slice, ``batch_slices``) at a time. With autograd, ``_SteeredMix`` saves the values and
+    ``inputs`` only; it recomputes the geometry and the kernel tables in backward."""
     if torch.is_grad_enabled() and not functional_only() and any(t.requires_grad for t in (values, *inputs)):
         return _SteeredMix.apply(values, grid, head_chunk, rows, geometry, *inputs)
-    op = _Steered(values, grid, *geometry(*inputs), rows)
-    chunk = _chunk(op, head_chunk)
+    geo = geometry(*inputs)
+    chunk = _chunk(geo, head_chunk)
     if functional_only():
-        return op.functional_forward(chunk)
-    return _steered_into(values if inplace else torch.empty_like(values), op, chunk)
+        return _Steered(values, grid, *geo, rows).functional_forward(chunk)
+    return _steered_into(values if inplace else torch.empty_like(values), values, grid, geo, rows, chunk)
 
 
-def _chunk(op: _Steered, head_chunk: int | None) -> int:
-    return op.h if head_chunk is None else max(1, int(head_chunk))
+def _chunk(geo: tuple[Tensor, Tensor, Tensor], head_chunk: int | None) -> int:
+    heads = geo[0].shape[2]
+    return heads if head_chunk is None else max(1, min(heads, int(head_chunk)))
 
 
-def _steered_into(out: Tensor, op: _Steered, chunk: int) -> Tensor:
+#: A batch slice of a steered chunk keeps its temporaries (tables, the column pass's result and its re-layout)
+#: within this many bytes, so that they stay in the CPU's caches between the passes (on the 2-core CPU of
+#: docs/benchmarks.md, ViT-B width, inference: 768 px batch 8 took 684 ms unsliced, 453 ms in slices of three
+#: images; 1024 px batch 8 1637 ms and 936 ms one image at a time; below 512 px batch 8 nothing is sliced).
+SLICE_BYTES = 32 * 2**20
+
+
+def batch_slices(values: Tensor, grid: tuple[int, int], geo: tuple[Tensor, Tensor, Tensor], chunk: int) -> list[slice]:
+    """Batch slices for the steered mixing: as many images per slice as keep a head chunk's temporaries within
+    ``SLICE_BYTES`` (at least one)."""
+    b, (gh, gw), (h, r) = values.shape[0], grid, geo[0].shape[2:4]
+    per_image = gh * gw * chunk * (r * (gh + gw) + 2 * r * (values.shape[-1] // h)) * values.element_size()
+    step = max(1, min(b, SLICE_BYTES // per_image))
+    return [slice(i, min(b, i + step)) for i in range(0, b, step)]
+
+
+def _batch(geo: tuple[Tensor, Tensor, Tensor], bs: slice) -> tuple[Tensor, Tensor, Tensor]:
+    """The geometry of the images ``bs``."""
+    return tuple(t[bs] for t in geo)
+
+
+def _steered_into(out: Tensor, values: Tensor, grid: tuple[int, int], geo: tuple[Tensor, Tensor, Tensor], rows: Rows,
+                  chunk: int) -> Tensor:
     """The steered mixing written into ``out`` (the values themselves in place: each chunk's values are read for the
-    last time before its result is written), prefix rows first."""
-    write_prefix_pool(out, op.values, op.p)
-    o = out[:, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
-    for hs in op.chunks(chunk):
-        o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)
+    last time before its result is written), prefix rows first, one batch slice at a time."""
+    for bs in batch_slices(values, grid, geo, chunk):
+        op = _Steered(values[bs], grid, *_batch(geo, bs), rows)
+        write_prefix_pool(out[bs], op.values, op.p)
+        o = out[bs, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
+        for hs in op.chunks(chunk):
+            o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)
     return out
 
 
@@ -333,8 +361,8 @@ class _SteeredMix(torch.autograd.Function):
     def forward(ctx, values, grid, head_chunk, rows, geometry, *inputs):
         ctx.save_for_backward(values, *inputs)
         ctx.args = (grid, head_chunk, rows, geometry)
-        op = _Steered(values, grid, *geometry(*inputs), rows)  # forward runs without grad
-        return _steered_into(torch.empty_like(values), op, _chunk(op, head_chunk))
+        geo = geometry(*inputs)  # forward runs without grad
+        return _steered_into(torch.empty_like(values), values, grid, geo, rows, _chunk(geo, head_chunk))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -347,8 +375,10 @@ class _SteeredMix(torch.autograd.Function):
         with torch.enable_grad():
             geo = geometry(*inputs)
         used = geo if create else tuple(t.detach() for t in geo)
-        op = _Steered(values, grid, *used, rows)
-        g_values, g_geo = _steered_backward(op, grad, _chunk(op, head_chunk), used)
+        chunk = _chunk(used, head_chunk)
+        parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk,
+                                   _batch(used, bs)) for bs in batch_slices(values, grid, used, chunk)]
+        g_values, g_geo = parts[0] if len(parts) == 1 else _joined(parts)
         outs = [(o, g) for o, g in zip(geo, g_geo) if o.requires_grad]
         wanted = [i for i, n in enumerate(need) if n]
         g_in = [None] * len(inputs)
@@ -358,6 +388,11 @@ class _SteeredMix(torch.autograd.Function):
             for i, g in zip(wanted, found):
                 g_in[i] = g
         return g_values, None, None, None, None, *g_in
+
+
+def _joined(parts: list) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """The gradients of batch slices put together."""
+    return torch.cat([p[0] for p in parts]), tuple(torch.cat([p[1][i] for p in parts]) for i in range(3))
 
 
 def _steered_backward(
