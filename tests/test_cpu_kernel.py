@@ -106,6 +106,7 @@ def test_what_the_kernel_refuses_goes_to_the_torch_path():
     assert cpu.steered_rows(mu, s.double(), None, ops.gaussian_rows) is None
     assert cpu.steered_rows(mu, s[:1], None, ops.gaussian_rows) is None
     assert cpu.steered_rows(mu.half(), s.half(), None, ops.gaussian_rows) is None
+    assert cpu.steered_rows(mu.expand(2, 1, 4, 3, 2), s.expand(2, 1, 4, 3, 2), None, ops.gaussian_rows) is None
     assert cpu.steered_rows(mu.requires_grad_(), s, None, ops.gaussian_rows) is None
     heads = torch.zeros(2, 1, 3, 4, 3, 1)[:, :, 1:]  # a head slice of a contiguous tensor: read in place
     assert cpu.steered_rows(heads, torch.ones(2, 1, 3, 4, 3, 1)[:, :, 1:], None, ops.gaussian_rows) is not None

@@ -162,6 +162,8 @@ def _run(mu: Tensor, scale: Tensor, lam: Tensor | None) -> Tensor | None:
 def _layout(t: Tensor) -> tuple[int, int] | None:
     """``(M, stride)`` when ``t`` ``(..., C, Q, R, 1)`` is ``M`` contiguous ``(C, Q, R)`` blocks ``stride`` elements
     apart (a contiguous tensor, or a head slice of one), else ``None``."""
+    if t.ndim < 4 or t.shape[-1] != 1:
+        return None
     c, q, r = t.shape[-4:-1]
     for size, stride, want in zip((c, q, r), t.stride()[-4:-1], (q * r, r, 1)):
         if size > 1 and stride != want:
