@@ -612,6 +612,27 @@ def test_steered_layer_training_keeps_no_per_token_geometry():
     assert kept[STEER_PATHS] <= kept[()]
 
 
+def test_steered_geometry_is_recomputed_under_the_forwards_autocast():
+    """Backward runs outside the caller's ``torch.autocast`` block; the geometry it recomputes must be computed as
+    in the forward (bfloat16 steering maps), or its gradients belong to another function."""
+    m = make_mixer(STEER_PATHS, dim=12, heads=3, atoms=2).float()
+    seen = []
+    plain = m._steered_geometry
+
+    def spy(*args):
+        out = plain(*args)
+        seen.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
+        return out
+
+    m._steered_geometry = spy
+    x = torch.randn(2, 1 + 12, 12, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x, grid=(3, 4))
+    y.float().sum().backward()
+    assert seen == [(True, False), (True, True)]  # forward (no grad inside the function), backward's recompute
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
 def test_steered_layer_double_backward_through_the_recomputed_geometry():
     """A gradient penalty through the steered layer (create_graph=True): the geometry recomputed in backward joins
     the outer graph, checked numerically in float64 for the input and every parameter."""

@@ -8,6 +8,7 @@ recomputes the x-pass in backward. Shapes use the letters of ``ssogvit.ops``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor
@@ -361,6 +362,7 @@ class _SteeredMix(torch.autograd.Function):
     def forward(ctx, values, grid, head_chunk, rows, geometry, *inputs):
         ctx.save_for_backward(values, *inputs)
         ctx.args = (grid, head_chunk, rows, geometry)
+        ctx.autocast = _autocast_state()  # the recomputed geometry must be the one the forward used
         geo = geometry(*inputs)  # forward runs without grad
         return _steered_into(torch.empty_like(values), values, grid, geo, rows, _chunk(geo, head_chunk))
 
@@ -372,7 +374,7 @@ class _SteeredMix(torch.autograd.Function):
         need = ctx.needs_input_grad[5:]
         if not create:
             inputs = [t.detach().requires_grad_(n) for t, n in zip(inputs, need)]
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast(ctx.autocast):
             geo = geometry(*inputs)
         used = geo if create else tuple(t.detach() for t in geo)
         chunk = _chunk(used, head_chunk)
@@ -388,6 +390,19 @@ class _SteeredMix(torch.autograd.Function):
             for i, g in zip(wanted, found):
                 g_in[i] = g
         return g_values, None, None, None, None, *g_in
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    return [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")]
+
+
+@contextmanager
+def _autocast(state: list[tuple[str, bool, torch.dtype]]):
+    """Autocast as it was in the forward (backward runs outside the caller's ``torch.autocast`` block)."""
+    with ExitStack() as stack:
+        for dev, enabled, dtype in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+        yield
 
 
 def _joined(parts: list) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
