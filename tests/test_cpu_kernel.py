@@ -96,6 +96,12 @@ def test_large_tables_split_between_threads_give_the_same_rows():
     assert torch.equal(one, many)
 
 
+def test_under_torch_compile_the_tables_are_left_to_the_compiler(monkeypatch):
+    mu, s = torch.zeros(2, 1, 4, 3, 1), torch.ones(2, 1, 4, 3, 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cpu.steered_rows(mu, s, None, ops.gaussian_rows) is None  # a ctypes call would break the graph
+
+
 def test_what_the_kernel_refuses_goes_to_the_torch_path():
     """``steered_rows`` answers ``None`` (the caller then builds the table with torch) for what it cannot read
     faithfully: a layout other than contiguous (C, Q, R) blocks, mixed dtypes or shapes, autograd, other dtypes."""

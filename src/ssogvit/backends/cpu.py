@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ._common import grid_offsets
+from ._common import flush_tiny_product, grid_offsets
 
 __all__ = ["ENV_SWITCH", "available", "enabled", "steered_rows"]
 
@@ -117,8 +117,7 @@ def _checked(reference: Callable[..., Tensor]) -> bool:
         lam = torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype)
         want = reference(grid_offsets(5, dtype, mu.device)[:, None, :], mu, s, inplace=True)
         got, weighted = _run(mu, s, None), _run(mu, s, lam)
-        wanted_w = want * lam
-        wanted_w = wanted_w.masked_fill(wanted_w <= torch.finfo(dtype).tiny, 0.0)
+        wanted_w = flush_tiny_product(want * lam)
         if not (torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(weighted, wanted_w, rtol=tol,
                                                                                       atol=tol)):
             err = float((got - want).abs().max())
@@ -138,7 +137,10 @@ def steered_rows(mu: Tensor, scale: Tensor, lam: Tensor | None, reference: Calla
     """Kernel rows of a steered head chunk, ``(..., C, Q, R, Q)``, from per-token ``mu``, ``scale`` (and mixture
     weights ``lam``, multiplied in and flushed again) shaped ``(..., C, Q, R, 1)`` with the query index ``q`` on
     the axis of size ``Q``; ``None`` where the kernel does not apply (not a CPU float32/float64 tensor, autograd on
-    them, a layout it cannot read, or the kernel unavailable): the caller then takes the torch path."""
+    them, a layout it cannot read, under ``torch.compile``, or the kernel unavailable): the caller then takes the
+    torch path."""
+    if torch.compiler.is_compiling():  # torch.compile builds the tables itself; a ctypes call would break its graph
+        return None
     args = [t for t in (mu, scale, lam) if t is not None]
     if (mu.device.type != "cpu" or mu.dtype not in _FUNCTIONS or any(t.dtype != mu.dtype or t.shape != mu.shape
                                                                    for t in args)

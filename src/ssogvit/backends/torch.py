@@ -226,7 +226,7 @@ class _Steered:
         self.b, self.d, self.p = b, d, t - gh * gw
         self.h, self.r = mu.shape[2], mu.shape[3]
         self.dh = d // self.h
-        self.rows, self.values = rows, values
+        self.rows, self.values, self.geo = rows, values, (mu, scale, lam)
         self.v = values[:, self.p:].view(b, gh, gw, self.h, self.dh)
         mu = mu.reshape(b, gh, gw, self.h, self.r, 2)
         scale = scale.expand(b, gh * gw, self.h, self.r, 2).reshape(b, gh, gw, self.h, self.r, 2)
@@ -378,8 +378,8 @@ class _SteeredMix(torch.autograd.Function):
             geo = geometry(*inputs)
         used = geo if create else tuple(t.detach() for t in geo)
         chunk = _chunk(used, head_chunk)
-        parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk,
-                                   _batch(used, bs)) for bs in batch_slices(values, grid, used, chunk)]
+        parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk)
+                 for bs in batch_slices(values, grid, used, chunk)]
         g_values, g_geo = parts[0] if len(parts) == 1 else _joined(parts)
         outs = [(o, g) for o, g in zip(geo, g_geo) if o.requires_grad]
         wanted = [i for i, n in enumerate(need) if n]
@@ -410,12 +410,10 @@ def _joined(parts: list) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     return torch.cat([p[0] for p in parts]), tuple(torch.cat([p[1][i] for p in parts]) for i in range(3))
 
 
-def _steered_backward(
-    op: _Steered, grad: Tensor, chunk: int, geo: tuple[Tensor, Tensor, Tensor]
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """Gradients of the steered mixing ``op`` (built from the geometry ``geo = (mu, scale, lam)``) for the values and
-    for ``geo`` (docs/operator.md, "Backward"), recomputing the tables one head chunk at a time."""
-    values, (mu, scale, lam) = op.values, geo
+def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Gradients of the steered mixing ``op`` for its values and its geometry ``op.geo = (mu, scale, lam)``
+    (docs/operator.md, "Backward"), recomputing the tables one head chunk at a time."""
+    values, (mu, scale, lam) = op.values, op.geo
     b, gh, gw, h, r, dh = op.b, op.gh, op.gw, op.h, op.r, op.dh
     ip = not torch.is_grad_enabled()  # a graph is built (create_graph=True): no in-place ops then
     dtype = values.dtype
