@@ -659,3 +659,11 @@ def test_functional_mixing_refuses_a_grid_or_geometry_that_does_not_fit():
         ops.ssog_mix_steered(values, (3, 5), mu, mu + 1, lam_t, torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"mu must have one row per patch token, shape \(B, N, \.\.\.\) = \(1, 12\)"):
         ops.ssog_mix_steered(values, (3, 4), mu[:, :6], mu + 1, lam_t, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"lam of shape \(B, N, H, R\), got \(1, 12, 2, 2, 2\), \(1, 12, 2, 2, 2\) and "
+                                         r"\(1, 12, 2\)"):
+        ops.ssog_mix_steered(values, (3, 4), mu, mu + 1, lam_t[..., 0], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="expected mu and sigma"):
+        ops.ssog_mix_steered(values, (3, 4), mu, (mu + 1)[..., :1], lam_t, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="width 8 is not divisible by the geometry's 3 heads"):
+        three = torch.zeros(1, 12, 3, 2, 2)
+        ops.ssog_mix_steered(values, (3, 4), three, three + 1, torch.full((1, 12, 3, 2), 0.5), torch.tensor(1.0))

@@ -363,6 +363,12 @@ def ssog_mix_steered_from(
             if tuple(t.shape[:2]) != expected:
                 raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., "
                                  f"got {tuple(t.shape)}")
+        if mu.ndim != 5 or mu.shape[-1] != 2 or sigma.shape != mu.shape or lam.shape != mu.shape[:-1]:
+            raise ValueError(f"expected mu and sigma of shape (B, N, H, R, 2) and lam of shape (B, N, H, R), got "
+                             f"{tuple(mu.shape)}, {tuple(sigma.shape)} and {tuple(lam.shape)}")
+        if values.shape[-1] % mu.shape[2]:
+            raise ValueError(f"the values' width {values.shape[-1]} is not divisible by the geometry's {mu.shape[2]} "
+                             f"heads")
         tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
         return mu, kernel_scale(sigma, tau), lam
 
