@@ -1,10 +1,12 @@
-"""The C kernel for the steered mixing's tables (``ssogvit.backends.cpu``): against the torch path and the dense
-float64 reference, its refusals, and how it is built, cached, and replaced when it cannot be."""
+"""The C kernel for steered SSoG (``ssogvit.backends.cpu``): its whole mixing and its tables against the torch path and
+the dense float64 reference, its refusals, and how it is built, cached, and replaced when it cannot be."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,10 @@ from ssogvit import ops, reference
 from ssogvit.backends import cpu
 from ssogvit.backends._common import grid_offsets
 
-pytestmark = pytest.mark.skipif(not cpu.available(ops.gaussian_rows), reason="no C compiler: the kernel is not built")
+# only a machine without a C compiler skips these; where one exists, a kernel that fails its build or its probe fails
+# the tests below (they require it)
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                reason="no C compiler: the kernel is not built")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -47,6 +52,68 @@ def test_inference_equals_the_torch_path_and_the_dense_reference(grid, prefix, c
         scale = dense.abs().max()
         assert float((fast.double() - dense).abs().max() / scale) < tol, dtype
         assert float((fast - plain).abs().max() / scale) < tol, dtype
+
+
+def test_the_kernel_is_built_and_agrees_with_the_torch_path_and_the_dense_reference():
+    """Its first use builds it and checks its tables against the torch path and its mixing against the dense
+    reference (``cpu.available``), without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.available(ops.gaussian_rows)
+
+
+def _dense(values, mu, sigma, lam, tau, grid, prefix):
+    a = reference.with_prefix(reference.dense_steered_matrix(*(t.double() for t in (mu, sigma, lam, tau)), grid),
+                              prefix)
+    return reference.dense_mix(a, values.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_mixing_kernel_equals_the_dense_reference_in_place_and_out_of_place(dtype):
+    """``steered_mix`` itself, at widths that use its register tiles and their remainders (dh = 20: one 16-wide
+    float32 tile or two 8-wide float64 tiles, then 4 columns one by one), R = 3 atoms (a tile of 3 rows), rows of 7
+    queries (a tile of 4 and one of 3), written over the values or into another tensor, with 1 or 2 threads."""
+    grid, tol = (5, 7), 2e-6 if dtype == torch.float32 else 1e-12
+    values, mu, sigma, lam, tau = _operands(2, *grid, 2, 3, 20, 1, dtype, seed=3)
+    scale = ops.kernel_scale(sigma, tau)
+    dense = _dense(values, mu, sigma, lam, tau, grid, 1)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n, inplace in ((1, False), (max(2, threads), False), (max(2, threads), True)):
+            torch.set_num_threads(n)
+            out = values.clone() if inplace else torch.full_like(values, float("nan"))
+            assert cpu.steered_mix(out, out if inplace else values, grid, mu, scale, lam, ops.gaussian_rows)
+            results.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    for out in results:
+        err = (out[:, 1:].double() - dense[:, 1:]).abs().max() / dense.abs().max()
+        assert float(err) < tol
+    assert torch.equal(results[2][:, 0], values[:, 0])  # the prefix row is the caller's: left alone
+    assert torch.isnan(results[0][:, 0]).all() and torch.isnan(results[1][:, 0]).all()
+    assert torch.equal(results[0][:, 1:], results[1][:, 1:]) and torch.equal(results[1][:, 1:], results[2][:, 1:])
+
+
+def test_what_the_mixing_kernel_refuses_goes_to_the_torch_path():
+    """``steered_mix`` answers ``False`` and writes nothing where it cannot mix faithfully."""
+    values, mu, sigma, lam, tau = _operands(1, 3, 4, 2, 2, 4, 1, torch.float32)
+    scale = ops.kernel_scale(sigma, tau)
+    out = torch.zeros_like(values)
+    refused = [
+        (values.half(), out.half(), mu.half(), scale.half(), lam.half()),  # a dtype it has no kernel for
+        (values, out, mu.double(), scale, lam),  # mixed dtypes
+        (values.clone().requires_grad_(), out, mu, scale, lam),  # autograd through it
+        (torch.zeros(1, 13, 16)[..., ::2], out, mu, scale, lam),  # the values' rows not unit stride
+        (values, torch.zeros(1, 13, 16)[..., ::2], mu, scale, lam),  # nor the output's
+    ]
+    for args in refused:
+        with torch.enable_grad():
+            assert not cpu.steered_mix(args[1], args[0], (3, 4), *args[2:], ops.gaussian_rows)
+    assert (out == 0).all()
+    with cpu.enabled(False):
+        assert not cpu.steered_mix(out, values, (3, 4), mu, scale, lam, ops.gaussian_rows)
+    assert (out == 0).all()
+    assert cpu.steered_mix(out, values, (3, 4), mu, scale, lam, ops.gaussian_rows) and (out[:, 1:] != 0).any()
 
 
 def test_training_gradients_equal_the_torch_path():
@@ -153,7 +220,7 @@ def test_built_once_cached_replaced_without_a_compiler_and_loading_it_leaves_den
     first = _child(tmp_path)
     assert first["used"] and first["warnings"] == []
     assert first["denormal_kept"]  # the library was not linked with -ffast-math's process-wide flush-to-zero
-    (lib,) = (tmp_path / "cache").glob("cpu_rows-*.so")
+    (lib,) = (tmp_path / "cache").glob("cpu_steered-*.so")
     stamp = lib.stat().st_mtime_ns
     second = _child(tmp_path)
     assert second["used"] and lib.stat().st_mtime_ns == stamp  # loaded from the cache, not built again

@@ -407,6 +407,9 @@ def test_no_denormal_reaches_a_matmul_after_the_mixture_weights_are_folded_in(mo
     first = rows[0, 0, 0, :, 1]  # query 0, its neighbour 1: normal, and below tiny once multiplied by 0.25
     assert ((first > tiny) & (first * 0.25 < tiny)).all(), first
     monkeypatch.setattr(torch, "bmm", spy(real_bmm))
+    # its tables feed PyTorch's matmuls where its whole mixing declines (a layout it cannot read); where it mixes,
+    # it builds the row pass's weighted rows with the same code (test_cpu_kernel checks those rows for denormals)
+    monkeypatch.setattr(cpu, "steered_mix", lambda *args: False)
     n_before = len(seen)
     with torch.no_grad():
         ops.ssog_mix_steered(values, (gh, gw), mu, sigma, lam, torch.tensor(1.0))
@@ -499,7 +502,8 @@ def test_steered_geometry_keeps_the_documented_bounds():
     assert ratio.max() <= gates["sigma"] * (1 + 1e-12) and ratio.max() > 0.99 * gates["sigma"]
     torch.testing.assert_close(lam_n.sum(-1), torch.ones(b, n, h, **F64), rtol=0, atol=1e-12)
     fixed = ops.steered_geometry(mu, sigma, ell, {"sigma": res["sigma"]}, gates, radius=4.0)
-    assert torch.equal(fixed[0], mu) and torch.equal(fixed[2], torch.softmax(ell, -1))
+    assert torch.equal(fixed[0], mu)
+    torch.testing.assert_close(fixed[2], torch.softmax(ell, -1), rtol=1e-14, atol=0)  # to rounding
     assert torch.equal(fixed[1], sigma_n)
 
 

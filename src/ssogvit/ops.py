@@ -230,7 +230,10 @@ def steered_geometry(
         sigma = sigma * torch.exp(gates["sigma"] * torch.tanh(residuals["sigma"]))
     if "lambda" in residuals:
         ell = ell + gates["lambda"] * torch.tanh(residuals["lambda"])
-    return mu, sigma, torch.softmax(ell, dim=-1)
+    # the softmax over the R atoms is taken across the second-to-last axis of a transposed view: the same function
+    # (equal to rounding), and on the CPU 3x to 5x faster than across a last axis this short (docs/benchmarks.md,
+    # "Steered SSoG against fused attention")
+    return mu, sigma, torch.softmax(ell.transpose(-1, -2), dim=-2).transpose(-1, -2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

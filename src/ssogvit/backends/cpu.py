@@ -1,12 +1,14 @@
-"""The steered mixing's kernel tables built by a small C kernel on the CPU (docs/operator.md, "Backends").
+"""Steered SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing in inference, and
+the kernel tables where the torch path's matmuls need them (the backward's recompute).
 
 Built with PyTorch operations, each table entry takes five passes (subtract, square, scale, softmax, flush) and costs
-more than the 64 multiply-adds it then feeds; ``_cpu_rows.c`` builds a row in one pass that stays in cache, with a
-vectorised ``exp``. It is compiled on first use with the system's C compiler (``$CC``, else ``cc``; about a quarter of
+more than the 64 multiply-adds it then feeds, and a ViT-B layer at 224 px issues a dozen calls per head;
+``_cpu_steered.c`` builds a query's rows in one pass that stays in cache, with a vectorised ``exp``, and mixes one
+(image, head) at a time in one call per layer. It is compiled on first use with the system's C compiler (``$CC``, else ``cc``; about a quarter of
 a second), cached under ``$SSOGVIT_CACHE`` (default ``~/.cache/ssogvit``) by a hash of its source, flags and compiler,
 and loaded with ``ctypes``; large tables are split between OpenMP threads (PyTorch's own libgomp, so
 ``torch.set_num_threads`` applies).
-The first use in a process also checks it on a small problem against the torch path. Where there is no compiler, or
+The first use in a process also checks it on small problems against the torch path and the dense reference. Where there is no compiler, or
 the build or that check fails, one ``RuntimeWarning`` says so and the torch path is used: slower, the same result.
 ``SSOGVIT_CPU_KERNEL=0`` turns it off. It serves inference and the backward's recomputed tables (no autograd
 through it), float32 and float64, CPU tensors only.
@@ -30,14 +32,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import reference as dense
 from ._common import flush_tiny_product, grid_offsets
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "steered_rows"]
+__all__ = ["ENV_SWITCH", "available", "enabled", "steered_mix", "steered_rows"]
 
 #: Environment variable: ``0`` keeps the steered tables on the torch path.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
-_SOURCE = Path(__file__).with_name("_cpu_rows.c")
-_FUNCTIONS = {torch.float32: "ssog_rows_f32", torch.float64: "ssog_rows_f64"}
+_SOURCE = Path(__file__).with_name("_cpu_steered.c")
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _switch: list[bool] = []  # set by ``enabled``
 
 
@@ -86,7 +89,7 @@ def _build_or_load() -> ctypes.CDLL:
                                      platform.machine().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("SSOGVIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                  / "ssogvit")
-    lib = cache / f"cpu_rows-{key}.so"
+    lib = cache / f"cpu_steered-{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -98,10 +101,11 @@ def _build_or_load() -> ctypes.CDLL:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
             os.replace(out, lib)  # atomic: another process sees the old state or the whole library
     handle = ctypes.CDLL(str(lib))
-    for name in _FUNCTIONS.values():
-        fn = getattr(handle, name)
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
-        fn.restype = None
+    for suffix in _SUFFIX.values():
+        rows, mix = getattr(handle, f"ssog_rows_{suffix}"), getattr(handle, f"ssog_mix_{suffix}")
+        rows.argtypes, rows.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5, None
+        mix.argtypes, mix.restype = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 12, None
+    handle.ssog_mix_work.argtypes, handle.ssog_mix_work.restype = [ctypes.c_int64] * 4, ctypes.c_int64
     return handle
 
 
@@ -125,7 +129,29 @@ def _checked(reference: Callable[..., Tensor]) -> bool:
                           f"(max difference {err:.3g} in {dtype}); using the torch path", RuntimeWarning,
                           stacklevel=4)
             return False
+        if not _mix_agrees(dtype, tol, g):
+            return False
     return True
+
+
+def _mix_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
+    """The kernel's mixing against the dense reference (one prefix token, whose row the kernel leaves alone; tau = 1/2
+    makes the reference's scale 1 / sigma)."""
+    heads, gh, gw, r, dh = 2, 3, 5, 3, 3
+    values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
+    mu = (torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 16
+    s = torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 4 + 0.05
+    lam = torch.rand(2, gh * gw, heads, r, generator=g, dtype=dtype)
+    a = dense.dense_steered_matrix(mu, 1 / s, lam, torch.tensor(0.5, dtype=dtype), (gh, gw))
+    want = dense.dense_mix(dense.with_prefix(a, 1), values)[:, 1:]
+    got = values.clone()
+    _mix(got, values, (gh, gw), mu, s, lam)
+    if torch.allclose(got[:, 1:], want, rtol=tol, atol=tol) and torch.equal(got[:, 0], values[:, 0]):
+        return True
+    warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's mixing disagrees with the dense reference (max "
+                  f"difference {float((got[:, 1:] - want).abs().max()):.3g} in {dtype}); using the torch path",
+                  RuntimeWarning, stacklevel=5)
+    return False
 
 
 def available(reference: Callable[..., Tensor]) -> bool:
@@ -142,7 +168,7 @@ def steered_rows(mu: Tensor, scale: Tensor, lam: Tensor | None, reference: Calla
     if torch.compiler.is_compiling():  # torch.compile builds the tables itself; a ctypes call would break its graph
         return None
     args = [t for t in (mu, scale, lam) if t is not None]
-    if (mu.device.type != "cpu" or mu.dtype not in _FUNCTIONS or any(t.dtype != mu.dtype or t.shape != mu.shape
+    if (mu.device.type != "cpu" or mu.dtype not in _SUFFIX or any(t.dtype != mu.dtype or t.shape != mu.shape
                                                                    for t in args)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in args)) or not available(reference)):
         return None
@@ -156,7 +182,7 @@ def _run(mu: Tensor, scale: Tensor, lam: Tensor | None) -> Tensor | None:
     ((m, stride),) = layouts
     *outer, c, q, r, _ = mu.shape
     out = torch.empty(*outer, c, q, r, q, dtype=mu.dtype)
-    fn = getattr(_library(), _FUNCTIONS[mu.dtype])
+    fn = getattr(_library(), f"ssog_rows_{_SUFFIX[mu.dtype]}")
     fn(mu.data_ptr(), scale.data_ptr(), lam.data_ptr() if lam is not None else None, out.data_ptr(), stride, m, c, q, r)
     return out
 
@@ -180,3 +206,33 @@ def _layout(t: Tensor) -> tuple[int, int] | None:
             return None
         m, expected = m * size, expected * size
     return m, step
+
+
+def steered_mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor,
+                reference: Callable[..., Tensor]) -> bool:
+    """Write the steered mixing of the patch tokens of ``values`` ``(B, P + N, D)`` into ``out`` (the same shape; it
+    may be ``values`` itself) from per-token ``mu``, ``scale`` ``(B, N, H, R, 2)`` (scale broadcastable to it) and
+    ``lam`` ``(B, N, H, R)``, and return ``True``; the prefix rows of ``out`` are left alone. ``False`` (nothing
+    written) where the kernel does not apply (as in ``steered_rows``, or rows of ``values`` or ``out`` not unit
+    stride): the caller then takes the torch path."""
+    if torch.compiler.is_compiling():
+        return False
+    geo = (mu, scale, lam)
+    if (values.device.type != "cpu" or values.dtype not in _SUFFIX or any(t.dtype != values.dtype for t in (out, *geo))
+            or values.stride(-1) != 1 or out.stride(-1) != 1
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (values, out, *geo)))
+            or not available(reference)):
+        return False
+    _mix(out, values, grid, mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
+    return True
+
+
+def _mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor) -> None:
+    (b, t, d), (gh, gw), (heads, r) = values.shape, grid, mu.shape[2:4]
+    lib = _library()
+    threads = max(1, min(torch.get_num_threads(), b * heads))
+    # each thread's scratch (one head's values and result, a row's tables) from PyTorch, so its allocator counts it
+    work = torch.empty(threads * lib.ssog_mix_work(gh, gw, r, d // heads), dtype=values.dtype)
+    getattr(lib, f"ssog_mix_{_SUFFIX[values.dtype]}")(
+        values.data_ptr(), out.data_ptr(), mu.data_ptr(), scale.data_ptr(), lam.data_ptr(), work.data_ptr(), threads,
+        b, values.stride(0), values.stride(1), out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, r, d // heads)

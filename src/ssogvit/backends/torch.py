@@ -341,10 +341,13 @@ def _batch(geo: tuple[Tensor, Tensor, Tensor], bs: slice) -> tuple[Tensor, Tenso
 def _steered_into(out: Tensor, values: Tensor, grid: tuple[int, int], geo: tuple[Tensor, Tensor, Tensor], rows: Rows,
                   chunk: int) -> Tensor:
     """The steered mixing written into ``out`` (the values themselves in place: each chunk's values are read for the
-    last time before its result is written), prefix rows first, one batch slice at a time."""
+    last time before its result is written), prefix rows first; by the C kernel where it applies (``backends.cpu``),
+    else one batch slice and head chunk at a time."""
+    write_prefix_pool(out, values, values.shape[1] - grid[0] * grid[1])
+    if cpu.steered_mix(out, values, grid, *geo, rows):
+        return out
     for bs in batch_slices(values, grid, geo, chunk):
         op = _Steered(values[bs], grid, *_batch(geo, bs), rows)
-        write_prefix_pool(out[bs], op.values, op.p)
         o = out[bs, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
         for hs in op.chunks(chunk):
             o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)

@@ -1,0 +1,163 @@
+/* Steered SSoG on the CPU (docs/operator.md, "Backends"; compiled and loaded by ssogvit/backends/cpu.py).
+ *
+ * Kernel rows, built the R rows of one query at a time in cache:
+ *
+ *     row[r, j] = lam_r * flush(softmax_j(-((j - q - mu_r) s_r)^2)),   then flushed again,
+ *
+ * (lam = 1 when no weights are given; flush(k) = 0 where k <= the type's smallest normal number): the arithmetic of
+ * ssogvit.ops.gaussian_rows followed, for weighted rows, by backends._common.flush_tiny_product.
+ *
+ * ssog_rows_*: the tables of a head chunk, for the torch path's matmuls (inference and the backward's recompute).
+ * ssog_mix_*:  the whole steered mixing of the patch tokens (inference), one (image, head) at a time: for each query
+ *              row iy, the column pass U[k, r] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the
+ *              row pass out[iy, ix] = sum_(r,k) lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] U[k, r]; a head's result is
+ *              kept aside and written at the end, so `out` may be the values themselves. */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Work at least this large (entries of tables, multiply-adds of the mixing) is split between the OpenMP threads (the
+ * library links the libgomp that PyTorch has already loaded, so torch.set_num_threads applies). */
+#define PARALLEL_ENTRIES 32768
+
+/* The R rows of `count` queries, rows n long, one query after the other in `o`: query c has the index qi + c * dq,
+ * its rows' mu and s start at c * qs and lie `es` elements apart, and its weights lam (if any) start at c * lqs. */
+#define SSOG_QUERY_ROWS(NAME, T, EXP, MAX, HUGE, TINY, LOW)                                                      \
+    static inline void NAME(T *o, const T *mu, const T *s, const T *lam, int64_t es, int64_t qs, int64_t lqs,    \
+                            int64_t count, int qi, int dq, int n, int64_t r) {                                    \
+        int64_t block = count * r * n;                                                                            \
+        for (int64_t c = 0; c < count; ++c) {                                                                     \
+            int q = qi + (int)c * dq;                                                                             \
+            for (int64_t ri = 0; ri < r; ++ri) { /* logits minus the row's largest, as the softmax does */      \
+                T centre = mu[c * qs + ri * es], sc = s[c * qs + ri * es], top = -HUGE;                           \
+                T *row = o + (c * r + ri) * n;                                                                    \
+                for (int j = 0; j < n; ++j) { /* int: AVX2 converts 32-bit ints to floats, not 64-bit ones */    \
+                    T z = ((T)(j - q) - centre) * sc, logit = -(z * z);                                           \
+                    row[j] = logit;                                                                               \
+                    top = logit > top ? logit : top;                                                              \
+                }                                                                                                 \
+                for (int j = 0; j < n; ++j)                                                                       \
+                    row[j] -= top;                                                                                \
+            }                                                                                                     \
+        }                                                                                                         \
+        /* exp over all rows at once (long vectors); arguments below LOW, whose exp is below the type's smallest   \
+           normal number, are clamped into exp's fast range and then zeroed */                                    \
+        for (int64_t j = 0; j < block; ++j) {                                                                     \
+            T x = o[j], e = EXP(MAX(x, LOW));                                                                     \
+            o[j] = x < LOW ? (T)0 : e;                                                                            \
+        }                                                                                                         \
+        for (int64_t c = 0; c < count; ++c) {                                                                     \
+            for (int64_t ri = 0; ri < r; ++ri) { /* normalise, flush, weight, flush */                           \
+                T *row = o + (c * r + ri) * n, sum = 0, w = lam ? lam[c * lqs + ri] : (T)1;                        \
+                for (int j = 0; j < n; ++j)                                                                       \
+                    sum += row[j];                                                                                \
+                T inv = (T)1 / sum;                                                                               \
+                for (int j = 0; j < n; ++j) {                                                                     \
+                    T v = row[j] * inv;                                                                           \
+                    v = (v <= TINY ? (T)0 : v) * w;                                                               \
+                    row[j] = v <= TINY ? (T)0 : v;                                                                \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+
+/* out[m, c, q, r, :] = the rows of query q; mu, s, lam hold a contiguous (C, Q, R) block per m, `stride_m` apart. */
+#define SSOG_ROWS(NAME, ROWS, T)                                                                                  \
+    void NAME(const T *mu, const T *s, const T *lam, T *out, int64_t stride_m, int64_t m_count, int64_t c,         \
+              int64_t q, int64_t r) {                                                                             \
+        _Pragma("omp parallel for schedule(static) if (m_count * c * q * r * q >= PARALLEL_ENTRIES)")            \
+        for (int64_t t = 0; t < m_count * c; ++t) {                                                               \
+            int64_t src = t / c * stride_m + t % c * q * r;                                                       \
+            ROWS(out + t * q * r * q, mu + src, s + src, lam ? lam + src : NULL, 1, r, r, q, 0, 1, (int)q, r);   \
+        }                                                                                                         \
+    }
+
+/* c[i, :dh] = sum_j a[i, j] b[j, :dh] for i < m, j < kk (rows lda, ldb, ldc apart): both passes of the mixing. Tiles
+ * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
+ * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
+ * only its own. */
+#define SSOG_GEMM(NAME, T)                                                                                        \
+    typedef T NAME##_vec __attribute__((vector_size(32), aligned(sizeof(T))));                                    \
+    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, const T *b, int64_t ldb, int64_t m,       \
+                            int64_t kk, int64_t dh) {                                                             \
+        typedef NAME##_vec vec;                                                                                   \
+        enum { W = 32 / sizeof(T) };                                                                              \
+        for (int64_t m0 = 0; m0 < m; m0 += 4) {                                                                   \
+            int64_t mr = m - m0 < 4 ? m - m0 : 4;                                                                 \
+            const T *a0 = a + m0 * lda, *a1 = a0 + (mr > 1) * lda, *a2 = a0 + (mr > 2) * 2 * lda,                \
+                    *a3 = a0 + (mr > 3) * 3 * lda;                                                                \
+            T *c0 = c + m0 * ldc;                                                                                 \
+            int64_t d0 = 0;                                                                                       \
+            for (; d0 + 2 * W <= dh; d0 += 2 * W) {                                                               \
+                vec s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};       \
+                for (int64_t j = 0; j < kk; ++j) {                                                                \
+                    vec b0 = *(const vec *)(b + j * ldb + d0), b1 = *(const vec *)(b + j * ldb + d0 + W);         \
+                    s00 += a0[j] * b0, s01 += a0[j] * b1, s10 += a1[j] * b0, s11 += a1[j] * b1;                   \
+                    s20 += a2[j] * b0, s21 += a2[j] * b1, s30 += a3[j] * b0, s31 += a3[j] * b1;                   \
+                }                                                                                                 \
+                vec tile[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};                                \
+                for (int64_t i = 0; i < mr; ++i) {                                                                \
+                    *(vec *)(c0 + i * ldc + d0) = tile[i][0];                                                     \
+                    *(vec *)(c0 + i * ldc + d0 + W) = tile[i][1];                                                 \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int64_t i = 0; i < mr; ++i) /* widths that are not a multiple of 2 W: the rest one by one */     \
+                for (int64_t d = d0; d < dh; ++d) {                                                               \
+                    T sum = 0;                                                                                    \
+                    for (int64_t j = 0; j < kk; ++j)                                                              \
+                        sum += a[(m0 + i) * lda + j] * b[j * ldb + d];                                            \
+                    c0[i * ldc + d] = sum;                                                                        \
+                }                                                                                                 \
+        }                                                                                                         \
+    }
+
+/* The steered mixing of the patch tokens of `b` images: values v and out (B, P + N, H * dh) with rows `*_st` and
+ * images `*_sb` elements apart (unit stride within a row); mu, s contiguous (B, N, H, R, 2), lam (B, N, H, R);
+ * `work`: ssog_mix_work(...) numbers for each of `threads` threads (allocated by the caller, so that PyTorch's
+ * allocator counts them). */
+int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * gw;
+}
+
+#define SSOG_MIX(NAME, ROWS, GEMM, T)                                                                             \
+    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, T *work, int64_t threads, int64_t b,      \
+              int64_t v_sb, int64_t v_st, int64_t o_sb, int64_t o_st, int64_t p, int64_t gh, int64_t gw,          \
+              int64_t heads, int64_t r, int64_t dh) {                                                             \
+        int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                               \
+        /* units of at least PARALLEL_ENTRIES multiply-adds go to the threads */                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (n * r * (gh + gw) * dh >= PARALLEL_ENTRIES)") \
+        for (int64_t unit = 0; unit < units; ++unit) {                                                            \
+            int64_t bi = unit / heads, h = unit % heads;                                                          \
+            T *mixed = work + omp_get_thread_num() * size;                                                        \
+            /* the head's values column by column (each column pass reads one column, contiguous), U[ri, k] for   \
+               one row of queries, and that row's tables */                                                      \
+            T *cols = mixed + n * dh, *u = cols + n * dh, *tab = u + r * gw * dh;                                 \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh;                                                      \
+            for (int64_t t = 0; t < n; ++t)                                                                       \
+                memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                        \
+            for (int64_t iy = 0; iy < gh; ++iy) {                                                                 \
+                /* column pass: the y-rows steered by the tokens (iy, k), then U[:, k] for each column k */         \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                             \
+                ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);         \
+                for (int64_t k = 0; k < gw; ++k)                                                                  \
+                    GEMM(u + k * dh, gw * dh, tab + k * r * gh, gh, cols + k * gh * dh, dh, r, gh, dh);           \
+                /* row pass: the x-rows and weights of the queries (iy, ix) */                                   \
+                ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1, (int)gw, r); \
+                GEMM(mixed + iy * gw * dh, dh, tab, r * gw, u, dh, gw, r * gw, dh);                               \
+            }                                                                                                     \
+            T *ob = out + bi * o_sb + p * o_st + h * dh;                                                          \
+            for (int64_t t = 0; t < n; ++t)                                                                       \
+                memcpy(ob + t * o_st, mixed + t * dh, sizeof(T) * dh);                                            \
+        }                                                                                                         \
+    }
+
+SSOG_QUERY_ROWS(query_rows_f32, float, expf, fmaxf, FLT_MAX, FLT_MIN, -87.0f)
+SSOG_QUERY_ROWS(query_rows_f64, double, exp, fmax, DBL_MAX, DBL_MIN, -708.0)
+SSOG_GEMM(gemm_f32, float)
+SSOG_GEMM(gemm_f64, double)
+SSOG_ROWS(ssog_rows_f32, query_rows_f32, float)
+SSOG_ROWS(ssog_rows_f64, query_rows_f64, double)
+SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
+SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
