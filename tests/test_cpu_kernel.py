@@ -94,6 +94,29 @@ def test_the_mixing_kernel_equals_the_dense_reference_in_place_and_out_of_place(
     assert torch.equal(results[0][:, 1:], results[1][:, 1:]) and torch.equal(results[1][:, 1:], results[2][:, 1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grid,prefix", [((5, 7), 1), ((1, 7), 0), ((14, 14), 2)])
+def test_fixed_mixing_by_the_kernel_equals_the_dense_reference_and_the_stacked_path(dtype, grid, prefix):
+    """``ssog_mix(impl="auto")`` on the CPU without autograd mixes with the kernel (its tables given): the dense
+    float64 reference and ``impl="stacked"`` agree, in place and not."""
+    h, r, dh, tol = 3, 3, 20, 2e-6 if dtype == torch.float32 else 1e-12
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(2, prefix + grid[0] * grid[1], h * dh, generator=g, dtype=dtype)
+    mu, sigma = torch.randn(h, r, 2, generator=g, dtype=dtype) * 2, torch.rand(h, r, 2, generator=g, dtype=dtype) + .1
+    lam, tau = torch.softmax(torch.randn(h, r, generator=g, dtype=dtype), -1), torch.tensor(0.7, dtype=dtype)
+    ky, kx = (reference.dense_axis_kernel(n, mu[..., i], sigma[..., i], tau) for i, n in enumerate(grid))
+    dense = reference.dense_mix(reference.with_prefix(reference.dense_fixed_matrix(
+        *(t.double() for t in (mu, sigma, lam, tau)), grid), prefix), values.double())
+    with torch.no_grad():
+        assert cpu.fixed_mix(torch.empty_like(values), values, grid, ky, kx, lam, ops.gaussian_rows)
+        auto = ops.ssog_mix(values, grid, ky, kx, lam)
+        stacked = ops.ssog_mix(values, grid, ky, kx, lam, impl="stacked")
+        inplace = ops.ssog_mix(values.clone(), grid, ky, kx, lam, inplace=True)
+    for out in (auto, stacked, inplace):
+        assert float((out.double() - dense).abs().max() / dense.abs().max()) < tol
+    assert torch.equal(auto, inplace)
+
+
 def test_what_the_mixing_kernel_refuses_goes_to_the_torch_path():
     """``steered_mix`` answers ``False`` and writes nothing where it cannot mix faithfully."""
     values, mu, sigma, lam, tau = _operands(1, 3, 4, 2, 2, 4, 1, torch.float32)

@@ -274,7 +274,8 @@ def ssog_mix(
             ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
             ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
             CUDA tensors in float16 or bfloat16, and in float32 where TF32 is on, when Triton imports, the kernel
-            passed its probe on the device and its tiles fit; ``"stacked"`` otherwise).
+            passed its probe on the device and its tiles fit; on the CPU without autograd, float32 or float64, the
+            C kernel of ``backends.cpu`` where it is available; ``"stacked"`` otherwise).
         inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them).
             ``"stacked"`` then writes its result into ``values``' buffer, one activation-sized buffer less: each
             head's values are read for the last time before its result is written. The other implementations
@@ -299,8 +300,8 @@ def ssog_mix(
     ):
         return triton_backend.ssog_mix_triton(values, grid, ky, kx, lam)  # imports Triton on first use only
     return torch_backend.mix_fixed(
-        values, grid, ky, kx, lam, impl="stacked" if impl == "auto" else impl, inplace=inplace,
-        head_chunk=head_chunk, grad_needed=grad_needed,
+        values, grid, ky, kx, lam, impl=impl, inplace=inplace, head_chunk=head_chunk, grad_needed=grad_needed,
+        rows=gaussian_rows,
     )
 
 

@@ -113,39 +113,46 @@
         }                                                                                                         \
     }
 
-/* The steered mixing of the patch tokens of `b` images: values v and out (B, P + N, H * dh) with rows `*_st` and
- * images `*_sb` elements apart (unit stride within a row); mu, s contiguous (B, N, H, R, 2), lam (B, N, H, R);
- * `work`: ssog_mix_work(...) numbers for each of `threads` threads (allocated by the caller, so that PyTorch's
- * allocator counts them). */
+/* The mixing of the patch tokens of `b` images: values v and out (B, P + N, H * dh) with rows `*_st` and images `*_sb`
+ * elements apart (unit stride within a row). Steered: mu, s contiguous (B, N, H, R, 2), lam (B, N, H, R), and
+ * ky = wx = NULL. Fixed: mu = s = lam = NULL and the field's tables, ky (H, R, Gh, Gh) and the row pass's weighted
+ * lam K^x laid out (H, Gw, R, Gw), both contiguous. `work`: ssog_mix_work(...) numbers for each of `threads` threads
+ * (allocated by the caller, so that PyTorch's allocator counts them). */
 int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * gw;
 }
 
 #define SSOG_MIX(NAME, ROWS, GEMM, T)                                                                             \
-    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, T *work, int64_t threads, int64_t b,      \
-              int64_t v_sb, int64_t v_st, int64_t o_sb, int64_t o_st, int64_t p, int64_t gh, int64_t gw,          \
-              int64_t heads, int64_t r, int64_t dh) {                                                             \
-        int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                               \
-        /* units of at least PARALLEL_ENTRIES multiply-adds go to the threads */                                    \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (n * r * (gh + gw) * dh >= PARALLEL_ENTRIES)") \
+    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, const T *ky, const T *wx, T *work,        \
+              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t o_sb, int64_t o_st, int64_t p,       \
+              int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {                                     \
+        int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                              \
+        int64_t macs = n * r * (gh + gw) * dh; /* per unit: units this large go to the threads */                \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PARALLEL_ENTRIES)")       \
         for (int64_t unit = 0; unit < units; ++unit) {                                                            \
             int64_t bi = unit / heads, h = unit % heads;                                                          \
-            T *mixed = work + omp_get_thread_num() * size;                                                        \
-            /* the head's values column by column (each column pass reads one column, contiguous), U[ri, k] for   \
-               one row of queries, and that row's tables */                                                      \
-            T *cols = mixed + n * dh, *u = cols + n * dh, *tab = u + r * gw * dh;                                 \
+            /* the head's values column by column (each column pass reads one column, contiguous), its result,    \
+               U[ri, k] for one row of queries, and that row's tables */                                         \
+            T *mixed = work + omp_get_thread_num() * size, *cols = mixed + n * dh, *u = cols + n * dh;            \
+            T *tab = u + r * gw * dh;                                                                             \
             const T *vb = v + bi * v_sb + p * v_st + h * dh;                                                      \
             for (int64_t t = 0; t < n; ++t)                                                                       \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                        \
             for (int64_t iy = 0; iy < gh; ++iy) {                                                                 \
-                /* column pass: the y-rows steered by the tokens (iy, k), then U[:, k] for each column k */         \
-                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                             \
-                ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);         \
+                /* column pass, U[:, k] for each column k: the y-rows of the tokens (iy, k) (steered: built here; \
+                   fixed: row iy of the field's table, atoms Gh * Gh apart) */                                    \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                            \
+                const T *rows_y = ky ? ky + (h * r * gh + iy) * gh : tab;                                         \
+                if (!ky)                                                                                          \
+                    ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);     \
                 for (int64_t k = 0; k < gw; ++k)                                                                  \
-                    GEMM(u + k * dh, gw * dh, tab + k * r * gh, gh, cols + k * gh * dh, dh, r, gh, dh);           \
-                /* row pass: the x-rows and weights of the queries (iy, ix) */                                   \
-                ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1, (int)gw, r); \
-                GEMM(mixed + iy * gw * dh, dh, tab, r * gw, u, dh, gw, r * gw, dh);                               \
+                    GEMM(u + k * dh, gw * dh, ky ? rows_y : rows_y + k * r * gh, ky ? gh * gh : gh,               \
+                         cols + k * gh * dh, dh, r, gh, dh);                                                      \
+                /* row pass: the weighted x-rows of the queries (iy, ix) */                                       \
+                if (!ky)                                                                                          \
+                    ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1,    \
+                         (int)gw, r);                                                                             \
+                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, r * gw, u, dh, gw, r * gw, dh);    \
             }                                                                                                     \
             T *ob = out + bi * o_sb + p * o_st + h * dh;                                                          \
             for (int64_t t = 0; t < n; ++t)                                                                       \

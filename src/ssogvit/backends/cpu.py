@@ -1,17 +1,17 @@
-"""Steered SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing in inference, and
-the kernel tables where the torch path's matmuls need them (the backward's recompute).
+"""Steered SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing where no autograd runs
+through it (inference, a training step's forward), and the kernel tables where the torch path's matmuls need them
+(the backward's recompute, layouts the mixing cannot read).
 
 Built with PyTorch operations, each table entry takes five passes (subtract, square, scale, softmax, flush) and costs
 more than the 64 multiply-adds it then feeds, and a ViT-B layer at 224 px issues a dozen calls per head;
-``_cpu_steered.c`` builds a query's rows in one pass that stays in cache, with a vectorised ``exp``, and mixes one
-(image, head) at a time in one call per layer. It is compiled on first use with the system's C compiler (``$CC``, else ``cc``; about a quarter of
-a second), cached under ``$SSOGVIT_CACHE`` (default ``~/.cache/ssogvit``) by a hash of its source, flags and compiler,
-and loaded with ``ctypes``; large tables are split between OpenMP threads (PyTorch's own libgomp, so
-``torch.set_num_threads`` applies).
-The first use in a process also checks it on small problems against the torch path and the dense reference. Where there is no compiler, or
-the build or that check fails, one ``RuntimeWarning`` says so and the torch path is used: slower, the same result.
-``SSOGVIT_CPU_KERNEL=0`` turns it off. It serves inference and the backward's recomputed tables (no autograd
-through it), float32 and float64, CPU tensors only.
+``_cpu_steered.c`` builds a row of queries' kernel rows in cache with a vectorised ``exp`` and mixes one (image, head)
+at a time, both passes in register tiles, in one call per layer. It is compiled on first use with the system's C
+compiler (``$CC``, else ``cc``; about a quarter of a second), cached under ``$SSOGVIT_CACHE`` (default
+``~/.cache/ssogvit``) by a hash of its source, flags and compiler, and loaded with ``ctypes``; the work is split between
+OpenMP threads (PyTorch's own libgomp, so ``torch.set_num_threads`` applies). The first use in a process also checks
+its tables against the torch path and its mixing against the dense reference on small problems. Where there is no
+compiler, or the build or that check fails, one ``RuntimeWarning`` says so and the torch path is used: slower, the
+same result. ``SSOGVIT_CPU_KERNEL=0`` turns it off. Float32 and float64 CPU tensors only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import reference as dense
 from ._common import flush_tiny_product, grid_offsets
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "steered_mix", "steered_rows"]
+__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "steered_mix", "steered_rows"]
 
 #: Environment variable: ``0`` keeps the steered tables on the torch path.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
@@ -104,7 +104,7 @@ def _build_or_load() -> ctypes.CDLL:
     for suffix in _SUFFIX.values():
         rows, mix = getattr(handle, f"ssog_rows_{suffix}"), getattr(handle, f"ssog_mix_{suffix}")
         rows.argtypes, rows.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5, None
-        mix.argtypes, mix.restype = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 12, None
+        mix.argtypes, mix.restype = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 12, None
     handle.ssog_mix_work.argtypes, handle.ssog_mix_work.restype = [ctypes.c_int64] * 4, ctypes.c_int64
     return handle
 
@@ -135,23 +135,28 @@ def _checked(reference: Callable[..., Tensor]) -> bool:
 
 
 def _mix_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
-    """The kernel's mixing against the dense reference (one prefix token, whose row the kernel leaves alone; tau = 1/2
-    makes the reference's scale 1 / sigma)."""
+    """The kernel's mixing, steered and fixed, against the dense reference (one prefix token, whose row the kernel
+    leaves alone; tau = 1/2 makes the reference's scale 1 / sigma)."""
     heads, gh, gw, r, dh = 2, 3, 5, 3, 3
     values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
     mu = (torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 16
     s = torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 4 + 0.05
     lam = torch.rand(2, gh * gw, heads, r, generator=g, dtype=dtype)
-    a = dense.dense_steered_matrix(mu, 1 / s, lam, torch.tensor(0.5, dtype=dtype), (gh, gw))
-    want = dense.dense_mix(dense.with_prefix(a, 1), values)[:, 1:]
-    got = values.clone()
-    _mix(got, values, (gh, gw), mu, s, lam)
-    if torch.allclose(got[:, 1:], want, rtol=tol, atol=tol) and torch.equal(got[:, 0], values[:, 0]):
-        return True
-    warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's mixing disagrees with the dense reference (max "
-                  f"difference {float((got[:, 1:] - want).abs().max()):.3g} in {dtype}); using the torch path",
-                  RuntimeWarning, stacklevel=5)
-    return False
+    half = torch.tensor(0.5, dtype=dtype)
+    cases = [(dense.dense_steered_matrix(mu, 1 / s, lam, half, (gh, gw)), {"steered": (mu, s, lam)})]
+    ky, kx = (dense.dense_axis_kernel(n, mu[0, 0, ..., i], 1 / s[0, 0, ..., i], half) for i, n in enumerate((gh, gw)))
+    fixed = dense.dense_fixed_matrix(mu[0, 0], 1 / s[0, 0], lam[0, 0], half, (gh, gw))
+    cases.append((fixed.expand(2, -1, -1, -1), {"fixed": (ky, _weighted_rows(kx, lam[0, 0]))}))
+    for a, operands in cases:
+        want = dense.dense_mix(dense.with_prefix(a, 1), values)[:, 1:]
+        got = values.clone()
+        _mix(got, values, (gh, gw), heads, r, **operands)
+        if not (torch.allclose(got[:, 1:], want, rtol=tol, atol=tol) and torch.equal(got[:, 0], values[:, 0])):
+            warnings.warn(f"ssogvit: the CPU kernel for SSoG's mixing ({next(iter(operands))}) disagrees with the "
+                          f"dense reference (max difference {float((got[:, 1:] - want).abs().max()):.3g} in {dtype}); "
+                          f"using the torch path", RuntimeWarning, stacklevel=5)
+            return False
+    return True
 
 
 def available(reference: Callable[..., Tensor]) -> bool:
@@ -208,31 +213,55 @@ def _layout(t: Tensor) -> tuple[int, int] | None:
     return m, step
 
 
+def _mixes(out: Tensor, values: Tensor, operands: tuple[Tensor, ...], reference: Callable[..., Tensor]) -> bool:
+    """Whether the mixing kernel applies: CPU float32/float64 tensors of one dtype, rows of unit stride, no autograd
+    through them, not under ``torch.compile``, the kernel available."""
+    if torch.compiler.is_compiling():  # a ctypes call would break the compiler's graph
+        return False
+    return not (values.device.type != "cpu" or values.dtype not in _SUFFIX
+                or any(t.dtype != values.dtype or t.device != values.device for t in (out, *operands))
+                or values.stride(-1) != 1 or out.stride(-1) != 1
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in (values, out, *operands)))
+                or not available(reference))
+
+
 def steered_mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor,
                 reference: Callable[..., Tensor]) -> bool:
     """Write the steered mixing of the patch tokens of ``values`` ``(B, P + N, D)`` into ``out`` (the same shape; it
     may be ``values`` itself) from per-token ``mu``, ``scale`` ``(B, N, H, R, 2)`` (scale broadcastable to it) and
     ``lam`` ``(B, N, H, R)``, and return ``True``; the prefix rows of ``out`` are left alone. ``False`` (nothing
-    written) where the kernel does not apply (as in ``steered_rows``, or rows of ``values`` or ``out`` not unit
-    stride): the caller then takes the torch path."""
-    if torch.compiler.is_compiling():
+    written) where the kernel does not apply (``_mixes``): the caller then takes the torch path."""
+    if not _mixes(out, values, (mu, scale, lam), reference):
         return False
-    geo = (mu, scale, lam)
-    if (values.device.type != "cpu" or values.dtype not in _SUFFIX or any(t.dtype != values.dtype for t in (out, *geo))
-            or values.stride(-1) != 1 or out.stride(-1) != 1
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in (values, out, *geo)))
-            or not available(reference)):
-        return False
-    _mix(out, values, grid, mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
+    geo = (mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
+    _mix(out, values, grid, mu.shape[2], mu.shape[3], steered=geo)
     return True
 
 
-def _mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor) -> None:
-    (b, t, d), (gh, gw), (heads, r) = values.shape, grid, mu.shape[2:4]
+def fixed_mix(out: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor,
+              reference: Callable[..., Tensor]) -> bool:
+    """``steered_mix`` for the fixed field: kernels ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)`` and weights
+    ``lam (H, R)`` (``ssogvit.ops.ssog_mix``'s arguments)."""
+    if not _mixes(out, values, (ky, kx, lam), reference):
+        return False
+    _mix(out, values, grid, *lam.shape, fixed=(ky.contiguous(), _weighted_rows(kx, lam)))
+    return True
+
+
+def _weighted_rows(kx: Tensor, lam: Tensor) -> Tensor:
+    """The fixed row pass's matrix ``lambda K^x``, flushed (docs/operator.md, "Denormals"), laid out
+    ``(H, Gw, R, Gw)``: the rows of query ``ix`` for all atoms together."""
+    return flush_tiny_product(kx * lam[:, :, None, None]).transpose(1, 2).contiguous()
+
+
+def _mix(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, r: int, *,
+         steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None) -> None:
+    (b, t, d), (gh, gw) = values.shape, grid
     lib = _library()
     threads = max(1, min(torch.get_num_threads(), b * heads))
     # each thread's scratch (one head's values and result, a row's tables) from PyTorch, so its allocator counts it
     work = torch.empty(threads * lib.ssog_mix_work(gh, gw, r, d // heads), dtype=values.dtype)
+    pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2))]
     getattr(lib, f"ssog_mix_{_SUFFIX[values.dtype]}")(
-        values.data_ptr(), out.data_ptr(), mu.data_ptr(), scale.data_ptr(), lam.data_ptr(), work.data_ptr(), threads,
-        b, values.stride(0), values.stride(1), out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, r, d // heads)
+        values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
+        out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, r, d // heads)

@@ -65,17 +65,30 @@ def default_head_chunk(
     return max(1, min(heads, int(budget // per_head)))
 
 
+#: ``rows(delta, mu, scale, inplace=...)``: Gaussian kernel rows (``ssogvit.ops.gaussian_rows``).
+Rows = Callable[..., Tensor]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Fixed SSoG
 
 
 def mix_fixed(
     values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
-    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool,
+    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool, rows: Rows,
 ) -> Tensor:
-    """``ssogvit.ops.ssog_mix`` for ``impl`` in ``"stacked"``, ``"loop"``, ``"einsum"`` (arguments checked there)."""
+    """``ssogvit.ops.ssog_mix`` for ``impl`` in ``"auto"`` (the C kernel of ``backends.cpu`` where it applies, else
+    ``"stacked"``), ``"stacked"``, ``"loop"``, ``"einsum"`` (arguments checked there; ``rows`` is
+    ``ssogvit.ops.gaussian_rows``, which the C kernel's first use is checked against)."""
     gh, gw = grid
     p = values.shape[1] - gh * gw
+    if impl == "auto":
+        if not grad_needed:
+            out = values if inplace else torch.empty_like(values)
+            write_prefix_pool(out, values, p)  # before any patch row of ``out`` is overwritten
+            if cpu.fixed_mix(out, values, grid, ky, kx, lam, rows):
+                return out
+        impl = "stacked"
     if impl == "stacked":
         h, r = lam.shape
         ky_fold = flush_tiny_product(ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)
@@ -208,9 +221,6 @@ class _StackedMix(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Content-steered SSoG
-
-#: ``rows(delta, mu, scale, inplace=...)``: Gaussian kernel rows (``ssogvit.ops.gaussian_rows``).
-Rows = Callable[..., Tensor]
 
 
 class _Steered:
