@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ssogvit import ops, reference
-from ssogvit.backends import cpu
+from ssogvit.backends import _common as backend, cpu
 from ssogvit.backends._common import grid_offsets
 
 # only a machine without a C compiler skips these; where one exists, a kernel that fails its build or its probe fails
@@ -117,6 +117,34 @@ def test_fixed_mixing_by_the_kernel_equals_the_dense_reference_and_the_stacked_p
     assert torch.equal(auto, inplace)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_backward_kernel_equals_autograd_through_the_dense_reference(dtype):
+    """``steered_mix_grad`` (the steered backward without a second derivative) at widths and atom counts that use its
+    register tiles' remainders, with prefix tokens, with 1 or 2 threads (equal bit for bit): the gradients of the
+    values, ``mu``, ``scale`` and ``lam`` against autograd through the dense float64 reference."""
+    grid, tol = (5, 7), 1e-5 if dtype == torch.float32 else 1e-11
+    values, mu, sigma, lam, tau = _operands(2, *grid, 2, 3, 20, 2, dtype, seed=7)
+    scale = ops.kernel_scale(sigma, tau)
+    grad = torch.randn(values.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    inputs = [t.to(torch.float64, copy=True).requires_grad_() for t in (values, mu, scale, lam)]
+    a = reference.dense_steered_matrix(inputs[1], 1 / inputs[2], inputs[3], torch.tensor(0.5, dtype=torch.float64),
+                                       grid)  # tau = 1/2: the reference's scale is 1 / sigma
+    want = torch.autograd.grad((reference.dense_mix(reference.with_prefix(a, 2), inputs[0]) * grad.double()).sum(),
+                               inputs)
+    threads, got = torch.get_num_threads(), []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            g_values, g_geo = cpu.steered_mix_grad(values, grad, grid, mu, scale, lam, ops.gaussian_rows)
+            backend.add_prefix_grad(g_values, grad, 2)
+            got.append((g_values, *g_geo))
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(got[0], want):
+        assert float((x.double() - y).abs().max() / y.abs().max()) < tol
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+
+
 def test_what_the_mixing_kernel_refuses_goes_to_the_torch_path():
     """``steered_mix`` answers ``False`` and writes nothing where it cannot mix faithfully."""
     values, mu, sigma, lam, tau = _operands(1, 3, 4, 2, 2, 4, 1, torch.float32)
@@ -216,7 +244,7 @@ import json, os, sys, warnings
 import torch
 warnings.simplefilter("always")
 from ssogvit import ops
-from ssogvit.backends import cpu
+from ssogvit.backends import _common as backend, cpu
 tiny = torch.finfo(torch.float32).tiny
 with warnings.catch_warnings(record=True) as caught:
     used = cpu.available(ops.gaussian_rows)

@@ -74,14 +74,15 @@
         }                                                                                                         \
     }
 
-/* c[i, :dh] = sum_j a[i, j] b[j, :dh] for i < m, j < kk (rows lda, ldb, ldc apart): both passes of the mixing. Tiles
+/* c[i, :dh] (+)= sum_j a[i, j] b[j, :dh] for i < m, j < kk (a[i, j] at a + i lda + j acs; rows of b and c ldb, ldc
+ * apart; added to c when `add`): both passes of the mixing and of its backward. Tiles
  * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
  * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
  * only its own. */
 #define SSOG_GEMM(NAME, T)                                                                                        \
     typedef T NAME##_vec __attribute__((vector_size(32), aligned(sizeof(T))));                                    \
-    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, const T *b, int64_t ldb, int64_t m,       \
-                            int64_t kk, int64_t dh) {                                                             \
+    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, int64_t acs, const T *b, int64_t ldb,     \
+                            int64_t m, int64_t kk, int64_t dh, int add) {                                         \
         typedef NAME##_vec vec;                                                                                   \
         enum { W = 32 / sizeof(T) };                                                                              \
         for (int64_t m0 = 0; m0 < m; m0 += 4) {                                                                   \
@@ -94,20 +95,22 @@
                 vec s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};       \
                 for (int64_t j = 0; j < kk; ++j) {                                                                \
                     vec b0 = *(const vec *)(b + j * ldb + d0), b1 = *(const vec *)(b + j * ldb + d0 + W);         \
-                    s00 += a0[j] * b0, s01 += a0[j] * b1, s10 += a1[j] * b0, s11 += a1[j] * b1;                   \
-                    s20 += a2[j] * b0, s21 += a2[j] * b1, s30 += a3[j] * b0, s31 += a3[j] * b1;                   \
+                    T x0 = a0[j * acs], x1 = a1[j * acs], x2 = a2[j * acs], x3 = a3[j * acs];                     \
+                    s00 += x0 * b0, s01 += x0 * b1, s10 += x1 * b0, s11 += x1 * b1;                               \
+                    s20 += x2 * b0, s21 += x2 * b1, s30 += x3 * b0, s31 += x3 * b1;                               \
                 }                                                                                                 \
                 vec tile[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};                                \
                 for (int64_t i = 0; i < mr; ++i) {                                                                \
-                    *(vec *)(c0 + i * ldc + d0) = tile[i][0];                                                     \
-                    *(vec *)(c0 + i * ldc + d0 + W) = tile[i][1];                                                 \
+                    vec *o0 = (vec *)(c0 + i * ldc + d0), *o1 = (vec *)(c0 + i * ldc + d0 + W);                   \
+                    *o0 = add ? *o0 + tile[i][0] : tile[i][0];                                                    \
+                    *o1 = add ? *o1 + tile[i][1] : tile[i][1];                                                    \
                 }                                                                                                 \
             }                                                                                                     \
             for (int64_t i = 0; i < mr; ++i) /* widths that are not a multiple of 2 W: the rest one by one */     \
                 for (int64_t d = d0; d < dh; ++d) {                                                               \
-                    T sum = 0;                                                                                    \
+                    T sum = add ? c0[i * ldc + d] : (T)0;                                                         \
                     for (int64_t j = 0; j < kk; ++j)                                                              \
-                        sum += a[(m0 + i) * lda + j] * b[j * ldb + d];                                            \
+                        sum += a[(m0 + i) * lda + j * acs] * b[j * ldb + d];                                      \
                     c0[i * ldc + d] = sum;                                                                        \
                 }                                                                                                 \
         }                                                                                                         \
@@ -146,13 +149,13 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                 if (!ky)                                                                                          \
                     ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);     \
                 for (int64_t k = 0; k < gw; ++k)                                                                  \
-                    GEMM(u + k * dh, gw * dh, ky ? rows_y : rows_y + k * r * gh, ky ? gh * gh : gh,               \
-                         cols + k * gh * dh, dh, r, gh, dh);                                                      \
+                    GEMM(u + k * dh, gw * dh, ky ? rows_y : rows_y + k * r * gh, ky ? gh * gh : gh, 1,            \
+                         cols + k * gh * dh, dh, r, gh, dh, 0);                                                   \
                 /* row pass: the weighted x-rows of the queries (iy, ix) */                                       \
                 if (!ky)                                                                                          \
                     ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1,    \
                          (int)gw, r);                                                                             \
-                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, r * gw, u, dh, gw, r * gw, dh);    \
+                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, r * gw, 1, u, dh, gw, r * gw, dh, 0); \
             }                                                                                                     \
             T *ob = out + bi * o_sb + p * o_st + h * dh;                                                          \
             for (int64_t t = 0; t < n; ++t)                                                                       \
@@ -160,11 +163,119 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         }                                                                                                         \
     }
 
+/* c[i, j] = sum_d a[i, d] b[j, d] for i < m, j < nn, d < kk (rows lda, ldb, ldc apart): the backward's products
+ * with a transposed factor (dL/dW = G U^T, dL/dK^y = dL/dU V^T), as dot products the compiler vectorises. */
+#define SSOG_GEMM_NT(NAME, T)                                                                                     \
+    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, const T *b, int64_t ldb, int64_t m,       \
+                            int64_t nn, int64_t kk) {                                                             \
+        for (int64_t i = 0; i < m; ++i)                                                                           \
+            for (int64_t j = 0; j < nn; ++j) {                                                                    \
+                const T *restrict ai = a + i * lda, *restrict bj = b + j * ldb;                                   \
+                T sum = 0;                                                                                        \
+                for (int64_t d = 0; d < kk; ++d)                                                                  \
+                    sum += ai[d] * bj[d];                                                                         \
+                c[i * ldc + j] = sum;                                                                             \
+            }                                                                                                     \
+    }
+
+/* Backward of one kernel row K = softmax_j(-(d_j s)^2), d_j = (j - q) - mu, given g = dL/dK: with
+ * t_j = K_j (g_j - sum_i K_i g_i) d_j, dL/dmu = 2 s^2 sum_j t_j and dL/ds = -2 s sum_j t_j d_j (the arithmetic of
+ * backends._common.gaussian_rows_grad; flushed entries are zero in K and pass nothing). */
+#define SSOG_ROW_GRAD(NAME, T)                                                                                    \
+    static inline void NAME(const T *k, const T *g, int q, int n, T mu, T s, T *g_mu, T *g_s) {                  \
+        T dot = 0, sm = 0, ss = 0;                                                                                \
+        for (int j = 0; j < n; ++j)                                                                               \
+            dot += k[j] * g[j];                                                                                   \
+        for (int j = 0; j < n; ++j) {                                                                             \
+            T d = (T)(j - q) - mu, t = k[j] * (g[j] - dot) * d;                                                   \
+            sm += t;                                                                                              \
+            ss += t * d;                                                                                          \
+        }                                                                                                         \
+        *g_mu = 2 * s * s * sm;                                                                                   \
+        *g_s = -2 * s * ss;                                                                                       \
+    }
+
+/* Gradients of the steered mixing (docs/operator.md, "Backward"), one (image, head) at a time, each row of queries
+ * recomputing its tables and U: with W = lam K^x and G = dL/dout, dL/dW = G U^T, dL/dU = W^T G,
+ * dL/dlam = sum_k dL/dW K^x, dL/dK^x = lam dL/dW, dL/dK^y = dL/dU V^T, dL/dV = K^y^T dL/dU. Arguments as in
+ * ssog_mix_*, plus g (dL/dout, rows `g_st` and images `g_sb` apart), gv (dL/dV of the patch rows, written; rows
+ * `gv_st`, images `gv_sb` apart) and g_mu, g_s, g_lam (shaped as mu, s, lam, written); `work`:
+ * ssog_mix_grad_work(...) numbers per thread. */
+int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 2 * gh * gw * dh + 2 * r * gw * dh + gw * dh + r * gw * gh * 2 + r * gw * gw * 3;
+}
+
+#define SSOG_MIX_GRAD(NAME, ROWS, GEMM, GEMM_NT, ROW_GRAD, T, TINY)                                              \
+    void NAME(const T *v, const T *g, T *gv, const T *mu, const T *s, const T *lam, T *g_mu, T *g_s, T *g_lam,    \
+              T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st,         \
+              int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r,          \
+              int64_t dh) {                                                                                       \
+        int64_t n = gh * gw, units = b * heads, size = ssog_mix_grad_work(gh, gw, r, dh), rg = r * gw;            \
+        int64_t macs = 3 * n * r * (gh + gw) * dh;                                                                \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PARALLEL_ENTRIES)")       \
+        for (int64_t unit = 0; unit < units; ++unit) {                                                            \
+            int64_t bi = unit / heads, h = unit % heads;                                                          \
+            T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *u = gcols + n * dh;            \
+            T *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh, *gky = ky + rg * gh, *kx = gky + rg * gh; \
+            T *w = kx + rg * gw, *gw_ = w + rg * gw;                                                              \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;             \
+            for (int64_t t = 0; t < n; ++t)                                                                       \
+                memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                        \
+            memset(gcols, 0, sizeof(T) * n * dh);                                                                 \
+            for (int64_t iy = 0; iy < gh; ++iy) {                                                                 \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r, qs = heads * r; /* token (iy, 0); per token */ \
+                ROWS(ky, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * qs, 0, gw, (int)iy, 0, (int)gh, r);                \
+                for (int64_t k = 0; k < gw; ++k)                                                                  \
+                    GEMM(u + k * dh, gw * dh, ky + k * r * gh, gh, 1, cols + k * gh * dh, dh, r, gh, dh, 0);       \
+                ROWS(kx, mu + 2 * gi + 1, s + 2 * gi + 1, NULL, 2, 2 * qs, 0, gw, 0, 1, (int)gw, r);              \
+                for (int64_t ix = 0; ix < gw; ++ix)                                                               \
+                    for (int64_t j = 0; j < rg; ++j) {                                                            \
+                        T x = kx[ix * rg + j] * lam[gi + ix * qs + j / gw];                                       \
+                        w[ix * rg + j] = x <= TINY ? (T)0 : x;                                                    \
+                    }                                                                                             \
+                for (int64_t ix = 0; ix < gw; ++ix)                                                               \
+                    memcpy(gq + ix * dh, gb + (iy * gw + ix) * g_st, sizeof(T) * dh);                             \
+                GEMM_NT(gw_, rg, gq, dh, u, dh, gw, rg, dh);               /* dL/dW (gw, R Gw) */                 \
+                GEMM(gu, dh, w, 1, rg, gq, dh, rg, gw, dh, 0);             /* dL/dU = W^T G (R Gw, dh) */          \
+                for (int64_t ix = 0; ix < gw; ++ix)  /* the queries (iy, ix): their weights and x-rows */         \
+                    for (int64_t ri = 0; ri < r; ++ri) {                                                          \
+                        int64_t at = gi + ix * qs + ri;                                                           \
+                        T *gk = gw_ + ix * rg + ri * gw, *kr = kx + ix * rg + ri * gw, gl = 0;                    \
+                        for (int64_t k = 0; k < gw; ++k) {                                                        \
+                            gl += gk[k] * kr[k];                                                                  \
+                            gk[k] *= lam[at];                                                                     \
+                        }                                                                                         \
+                        g_lam[at] = gl;                                                                           \
+                        ROW_GRAD(kr, gk, (int)ix, (int)gw, mu[2 * at + 1], s[2 * at + 1], g_mu + 2 * at + 1,      \
+                                 g_s + 2 * at + 1);                                                               \
+                    }                                                                                             \
+                for (int64_t k = 0; k < gw; ++k) { /* the tokens (iy, k): their y-rows, and dL/dV */              \
+                    GEMM_NT(gky + k * r * gh, gh, gu + k * dh, gw * dh, cols + k * gh * dh, dh, r, gh, dh);       \
+                    GEMM(gcols + k * gh * dh, dh, ky + k * r * gh, 1, gh, gu + k * dh, gw * dh, gh, r, dh, 1);    \
+                    for (int64_t ri = 0; ri < r; ++ri) {                                                          \
+                        int64_t at = gi + k * qs + ri;                                                            \
+                        ROW_GRAD(ky + (k * r + ri) * gh, gky + (k * r + ri) * gh, (int)iy, (int)gh, mu[2 * at],   \
+                                 s[2 * at], g_mu + 2 * at, g_s + 2 * at);                                         \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+            T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                         \
+            for (int64_t t = 0; t < n; ++t)                                                                       \
+                memcpy(ob + t * gv_st, gcols + (t % gw * gh + t / gw) * dh, sizeof(T) * dh);                      \
+        }                                                                                                         \
+    }
+
 SSOG_QUERY_ROWS(query_rows_f32, float, expf, fmaxf, FLT_MAX, FLT_MIN, -87.0f)
 SSOG_QUERY_ROWS(query_rows_f64, double, exp, fmax, DBL_MAX, DBL_MIN, -708.0)
 SSOG_GEMM(gemm_f32, float)
 SSOG_GEMM(gemm_f64, double)
+SSOG_GEMM_NT(gemm_nt_f32, float)
+SSOG_GEMM_NT(gemm_nt_f64, double)
+SSOG_ROW_GRAD(row_grad_f32, float)
+SSOG_ROW_GRAD(row_grad_f64, double)
 SSOG_ROWS(ssog_rows_f32, query_rows_f32, float)
 SSOG_ROWS(ssog_rows_f64, query_rows_f64, double)
 SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
 SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
+SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_nt_f32, row_grad_f32, float, FLT_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_nt_f64, row_grad_f64, double, DBL_MIN)

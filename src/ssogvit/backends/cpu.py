@@ -1,6 +1,6 @@
-"""Steered SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing where no autograd runs
-through it (inference, a training step's forward), and the kernel tables where the torch path's matmuls need them
-(the backward's recompute, layouts the mixing cannot read).
+"""SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing where no autograd runs through
+it (inference, a training step's forward; fixed and steered), the steered backward (without a second derivative),
+and the kernel tables where the torch path's matmuls need them (layouts the mixing cannot read).
 
 Built with PyTorch operations, each table entry takes five passes (subtract, square, scale, softmax, flush) and costs
 more than the 64 multiply-adds it then feeds, and a ViT-B layer at 224 px issues a dozen calls per head;
@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import reference as dense
 from ._common import flush_tiny_product, grid_offsets
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "steered_mix", "steered_rows"]
+__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "steered_mix", "steered_mix_grad", "steered_rows"]
 
 #: Environment variable: ``0`` keeps the steered tables on the torch path.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
@@ -105,7 +105,10 @@ def _build_or_load() -> ctypes.CDLL:
         rows, mix = getattr(handle, f"ssog_rows_{suffix}"), getattr(handle, f"ssog_mix_{suffix}")
         rows.argtypes, rows.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5, None
         mix.argtypes, mix.restype = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 12, None
-    handle.ssog_mix_work.argtypes, handle.ssog_mix_work.restype = [ctypes.c_int64] * 4, ctypes.c_int64
+        grad = getattr(handle, f"ssog_mix_grad_{suffix}")
+        grad.argtypes, grad.restype = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 14, None
+    for name in ("ssog_mix_work", "ssog_mix_grad_work"):
+        getattr(handle, name).argtypes, getattr(handle, name).restype = [ctypes.c_int64] * 4, ctypes.c_int64
     return handle
 
 
@@ -129,7 +132,7 @@ def _checked(reference: Callable[..., Tensor]) -> bool:
                           f"(max difference {err:.3g} in {dtype}); using the torch path", RuntimeWarning,
                           stacklevel=4)
             return False
-        if not _mix_agrees(dtype, tol, g):
+        if not (_mix_agrees(dtype, tol, g) and _grad_agrees(dtype, tol, g)):
             return False
     return True
 
@@ -157,6 +160,30 @@ def _mix_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
                           f"using the torch path", RuntimeWarning, stacklevel=5)
             return False
     return True
+
+
+def _grad_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
+    """The kernel's steered backward against autograd through the dense reference (as ``_mix_agrees``)."""
+    heads, gh, gw, r, dh = 2, 4, 3, 3, 3
+    values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
+    mu = (torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 6
+    s = torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 2 + 0.2
+    lam = torch.rand(2, gh * gw, heads, r, generator=g, dtype=dtype)
+    grad = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
+    grad[:, 0] = 0  # the prefix row's gradient is the caller's (backends._common.add_prefix_grad)
+    inputs = [t.clone().requires_grad_() for t in (values, mu, s, lam)]
+    with torch.enable_grad():
+        a = dense.dense_steered_matrix(inputs[1], 1 / inputs[2], inputs[3], torch.tensor(0.5, dtype=dtype), (gh, gw))
+        want = torch.autograd.grad((dense.dense_mix(dense.with_prefix(a, 1), inputs[0]) * grad).sum(), inputs)
+    got = _mix_grad(values, grad, (gh, gw), mu, s, lam)
+    got = (got[0], *got[1])
+    worst = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want))
+    if worst < tol:
+        return True
+    warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's backward disagrees with autograd through the dense "
+                  f"reference (max relative difference {worst:.3g} in {dtype}); using the torch path",
+                  RuntimeWarning, stacklevel=5)
+    return False
 
 
 def available(reference: Callable[..., Tensor]) -> bool:
@@ -265,3 +292,31 @@ def _mix(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, r: int,
     getattr(lib, f"ssog_mix_{_SUFFIX[values.dtype]}")(
         values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
         out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, r, d // heads)
+
+
+def steered_mix_grad(values: Tensor, grad: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor,
+                     reference: Callable[..., Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]] | None:
+    """Gradients of the steered mixing of ``values`` (arguments as in ``steered_mix``) given ``grad = dL/dout``: for
+    the values (the patch rows' part; the prefix rows' contribution, ``backends._common.add_prefix_grad``, is the
+    caller's) and for ``mu``, ``scale`` (reduced to its shape) and ``lam``; ``None`` where the kernel does not apply
+    (``_mixes``, or a graph being built for a second derivative)."""
+    if not _mixes(values, values, (grad, mu, scale, lam), reference) or grad.stride(-1) != 1:
+        return None
+    g_values, (g_mu, g_scale, g_lam) = _mix_grad(
+        values, grad, grid, mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
+    return g_values, (g_mu, g_scale.sum_to_size(scale.shape), g_lam)
+
+
+def _mix_grad(values: Tensor, grad: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor
+              ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    (b, t, d), (gh, gw), (heads, r) = values.shape, grid, mu.shape[2:4]
+    lib = _library()
+    threads = max(1, min(torch.get_num_threads(), b * heads))
+    work = torch.empty(threads * lib.ssog_mix_grad_work(gh, gw, r, d // heads), dtype=values.dtype)
+    g_values = torch.zeros_like(values)
+    g_mu, g_scale, g_lam = torch.empty_like(mu), torch.empty_like(scale), torch.empty_like(lam)
+    getattr(lib, f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
+        *(x.data_ptr() for x in (values, grad, g_values, mu, scale, lam, g_mu, g_scale, g_lam, work)), threads, b,
+        values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
+        t - gh * gw, gh, gw, heads, r, d // heads)
+    return g_values, (g_mu, g_scale, g_lam)

@@ -390,10 +390,15 @@ class _SteeredMix(torch.autograd.Function):
         with torch.enable_grad(), _autocast(ctx.autocast):
             geo = geometry(*inputs)
         used = geo if create else tuple(t.detach() for t in geo)
-        chunk = _chunk(used, head_chunk)
-        parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk)
-                 for bs in batch_slices(values, grid, used, chunk)]
-        g_values, g_geo = parts[0] if len(parts) == 1 else _joined(parts)
+        done = None if create else cpu.steered_mix_grad(values, grad, grid, *used, rows)  # the C kernel, else:
+        if done is not None:
+            g_values, g_geo = done
+            add_prefix_grad(g_values, grad, values.shape[1] - grid[0] * grid[1])
+        else:
+            chunk = _chunk(used, head_chunk)
+            parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk)
+                     for bs in batch_slices(values, grid, used, chunk)]
+            g_values, g_geo = parts[0] if len(parts) == 1 else _joined(parts)
         outs = [(o, g) for o, g in zip(geo, g_geo) if o.requires_grad]
         wanted = [i for i, n in enumerate(need) if n]
         g_in = [None] * len(inputs)
