@@ -108,7 +108,7 @@ def test_fixed_mixing_by_the_kernel_equals_the_dense_reference_and_the_stacked_p
     dense = reference.dense_mix(reference.with_prefix(reference.dense_fixed_matrix(
         *(t.double() for t in (mu, sigma, lam, tau)), grid), prefix), values.double())
     with torch.no_grad():
-        assert cpu.fixed_mix(torch.empty_like(values), values, grid, ky, kx, lam, ops.gaussian_rows)
+        assert cpu.mixes(values, (ky, kx, lam), ops.gaussian_rows)
         auto = ops.ssog_mix(values, grid, ky, kx, lam)
         stacked = ops.ssog_mix(values, grid, ky, kx, lam, impl="stacked")
         inplace = ops.ssog_mix(values.clone(), grid, ky, kx, lam, inplace=True)

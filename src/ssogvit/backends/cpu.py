@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import reference as dense
 from ._common import flush_tiny_product, grid_offsets
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "steered_mix", "steered_mix_grad", "steered_rows"]
+__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "mixes", "steered_mix", "steered_mix_grad", "steered_rows"]
 
 #: Environment variable: ``0`` keeps the steered tables on the torch path.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
@@ -240,11 +240,14 @@ def _layout(t: Tensor) -> tuple[int, int] | None:
     return m, step
 
 
-def _mixes(out: Tensor, values: Tensor, operands: tuple[Tensor, ...], reference: Callable[..., Tensor]) -> bool:
-    """Whether the mixing kernel applies: CPU float32/float64 tensors of one dtype, rows of unit stride, no autograd
-    through them, not under ``torch.compile``, the kernel available."""
+def mixes(values: Tensor, operands: tuple[Tensor, ...], reference: Callable[..., Tensor],
+          out: Tensor | None = None) -> bool:
+    """Whether the mixing kernel applies to ``values`` and its ``operands`` (and ``out``, when it is another
+    tensor): CPU float32/float64 tensors of one dtype, rows of unit stride, no autograd through them, not under
+    ``torch.compile``, the kernel available (``available(reference)``)."""
     if torch.compiler.is_compiling():  # a ctypes call would break the compiler's graph
         return False
+    out = values if out is None else out
     return not (values.device.type != "cpu" or values.dtype not in _SUFFIX
                 or any(t.dtype != values.dtype or t.device != values.device for t in (out, *operands))
                 or values.stride(-1) != 1 or out.stride(-1) != 1
@@ -257,22 +260,18 @@ def steered_mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, 
     """Write the steered mixing of the patch tokens of ``values`` ``(B, P + N, D)`` into ``out`` (the same shape; it
     may be ``values`` itself) from per-token ``mu``, ``scale`` ``(B, N, H, R, 2)`` (scale broadcastable to it) and
     ``lam`` ``(B, N, H, R)``, and return ``True``; the prefix rows of ``out`` are left alone. ``False`` (nothing
-    written) where the kernel does not apply (``_mixes``): the caller then takes the torch path."""
-    if not _mixes(out, values, (mu, scale, lam), reference):
+    written) where the kernel does not apply (``mixes``): the caller then takes the torch path."""
+    if not mixes(values, (mu, scale, lam), reference, out):
         return False
     geo = (mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
     _mix(out, values, grid, mu.shape[2], mu.shape[3], steered=geo)
     return True
 
 
-def fixed_mix(out: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor,
-              reference: Callable[..., Tensor]) -> bool:
-    """``steered_mix`` for the fixed field: kernels ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)`` and weights
-    ``lam (H, R)`` (``ssogvit.ops.ssog_mix``'s arguments)."""
-    if not _mixes(out, values, (ky, kx, lam), reference):
-        return False
+def fixed_mix(out: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+    """``steered_mix`` for the fixed field, where ``mixes(values, (ky, kx, lam), ...)`` said it applies: kernels
+    ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)`` and weights ``lam (H, R)`` (``ssogvit.ops.ssog_mix``'s arguments)."""
     _mix(out, values, grid, *lam.shape, fixed=(ky.contiguous(), _weighted_rows(kx, lam)))
-    return True
 
 
 def _weighted_rows(kx: Tensor, lam: Tensor) -> Tensor:
@@ -299,8 +298,8 @@ def steered_mix_grad(values: Tensor, grad: Tensor, grid: tuple[int, int], mu: Te
     """Gradients of the steered mixing of ``values`` (arguments as in ``steered_mix``) given ``grad = dL/dout``: for
     the values (the patch rows' part; the prefix rows' contribution, ``backends._common.add_prefix_grad``, is the
     caller's) and for ``mu``, ``scale`` (reduced to its shape) and ``lam``; ``None`` where the kernel does not apply
-    (``_mixes``, or a graph being built for a second derivative)."""
-    if not _mixes(values, values, (grad, mu, scale, lam), reference) or grad.stride(-1) != 1:
+    (``mixes``)."""
+    if not mixes(values, (grad, mu, scale, lam), reference) or grad.stride(-1) != 1:
         return None
     g_values, (g_mu, g_scale, g_lam) = _mix_grad(
         values, grad, grid, mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())

@@ -83,11 +83,11 @@ def mix_fixed(
     gh, gw = grid
     p = values.shape[1] - gh * gw
     if impl == "auto":
-        if not grad_needed:
+        if not grad_needed and cpu.mixes(values, (ky, kx, lam), rows):
             out = values if inplace else torch.empty_like(values)
             write_prefix_pool(out, values, p)  # before any patch row of ``out`` is overwritten
-            if cpu.fixed_mix(out, values, grid, ky, kx, lam, rows):
-                return out
+            cpu.fixed_mix(out, values, grid, ky, kx, lam)
+            return out
         impl = "stacked"
     if impl == "stacked":
         h, r = lam.shape
