@@ -359,7 +359,9 @@ def ssog_mix_steered_from(
     """
     _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
     grid = check_grid(values.shape[1], grid)[:2]
-    expected = (values.shape[0], grid[0] * grid[1])
+    # ``scaled`` is kept by the autograd graph until it is freed: it must not hold ``values`` (which backward frees as it
+    # goes), only their sizes
+    expected, width = (values.shape[0], grid[0] * grid[1]), values.shape[-1]
 
     def scaled(*args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         mu, sigma, lam, tau = geometry(*args)
@@ -370,9 +372,8 @@ def ssog_mix_steered_from(
         if mu.ndim != 5 or mu.shape[-1] != 2 or sigma.shape != mu.shape or lam.shape != mu.shape[:-1]:
             raise ValueError(f"expected mu and sigma of shape (B, N, H, R, 2) and lam of shape (B, N, H, R), got "
                              f"{tuple(mu.shape)}, {tuple(sigma.shape)} and {tuple(lam.shape)}")
-        if values.shape[-1] % mu.shape[2]:
-            raise ValueError(f"the values' width {values.shape[-1]} is not divisible by the geometry's {mu.shape[2]} "
-                             f"heads")
+        if width % mu.shape[2]:
+            raise ValueError(f"the values' width {width} is not divisible by the geometry's {mu.shape[2]} heads")
         tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
         return mu, kernel_scale(sigma, tau), lam
 
