@@ -265,6 +265,30 @@ def _child(tmp_path, **env):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def test_a_first_use_under_inference_mode_or_autocast_checks_the_kernel_and_mixes(tmp_path):
+    """The first use runs the kernel's check, which needs autograd and float32 matmuls: a process whose first SSoG
+    call is under ``torch.inference_mode()`` (which ``enable_grad`` cannot lift) and ``torch.autocast`` must still
+    pass it, without a warning, and mix (it crashed with "element 0 of tensors does not require grad" before)."""
+    code = """
+import warnings, torch
+warnings.simplefilter("error")
+from ssogvit import ops
+from ssogvit.backends import cpu
+from ssogvit.layers import create_mixer
+fixed, steered = create_mixer("ssog", 12, 3).eval(), create_mixer("ssog-steered", 12, 3).eval()
+x = torch.randn(2, 13, 12)
+with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    assert cpu.available(ops.gaussian_rows)
+with torch.inference_mode():
+    y = fixed(x, grid=(3, 4)), steered(x, grid=(3, 4))
+assert all(bool(torch.isfinite(t).all()) for t in y)
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": SRC, "SSOGVIT_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_built_once_cached_replaced_without_a_compiler_and_loading_it_leaves_denormals_alone(tmp_path):
     """In fresh processes: the first builds the library into the cache, the second loads it from there; without a
     compiler one warning and the torch path's result; ``SSOGVIT_CPU_KERNEL=0`` builds nothing."""

@@ -114,9 +114,16 @@ def _build_or_load() -> ctypes.CDLL:
 
 @functools.cache
 def _checked(reference: Callable[..., Tensor]) -> bool:
-    """The kernel against the torch path (``reference`` is ``ssogvit.ops.gaussian_rows``) on a small problem with
-    centres inside and outside the grid and narrow and wide kernels, in both dtypes: one warning and ``False`` if
-    they differ."""
+    """The kernel against the torch path (``reference`` is ``ssogvit.ops.gaussian_rows``) and the dense reference on
+    small problems with centres inside and outside the grid and narrow and wide kernels, in both dtypes: one warning
+    and ``False`` if they differ. It runs wherever the first use happens, so it sets the modes it needs itself:
+    autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32 matmuls must stay
+    float32)."""
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        return _agrees(reference)
+
+
+def _agrees(reference: Callable[..., Tensor]) -> bool:
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
         mu = (torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype) - 0.5) * 16
@@ -130,7 +137,7 @@ def _checked(reference: Callable[..., Tensor]) -> bool:
             err = float((got - want).abs().max())
             warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's tables disagrees with the torch path "
                           f"(max difference {err:.3g} in {dtype}); using the torch path", RuntimeWarning,
-                          stacklevel=4)
+                          stacklevel=5)
             return False
         if not (_mix_agrees(dtype, tol, g) and _grad_agrees(dtype, tol, g)):
             return False
@@ -157,7 +164,7 @@ def _mix_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
         if not (torch.allclose(got[:, 1:], want, rtol=tol, atol=tol) and torch.equal(got[:, 0], values[:, 0])):
             warnings.warn(f"ssogvit: the CPU kernel for SSoG's mixing ({next(iter(operands))}) disagrees with the "
                           f"dense reference (max difference {float((got[:, 1:] - want).abs().max()):.3g} in {dtype}); "
-                          f"using the torch path", RuntimeWarning, stacklevel=5)
+                          f"using the torch path", RuntimeWarning, stacklevel=6)
             return False
     return True
 
@@ -182,7 +189,7 @@ def _grad_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
         return True
     warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's backward disagrees with autograd through the dense "
                   f"reference (max relative difference {worst:.3g} in {dtype}); using the torch path",
-                  RuntimeWarning, stacklevel=5)
+                  RuntimeWarning, stacklevel=6)
     return False
 
 
