@@ -1,17 +1,19 @@
-/* Steered SSoG on the CPU (docs/operator.md, "Backends"; compiled and loaded by ssogvit/backends/cpu.py).
+/* SSoG on the CPU (docs/operator.md, "Backends"; compiled and loaded by ssogvit/backends/cpu.py).
  *
- * Kernel rows, built the R rows of one query at a time in cache:
+ * Kernel rows, built the R rows of a row of queries at a time in cache:
  *
  *     row[r, j] = lam_r * flush(softmax_j(-((j - q - mu_r) s_r)^2)),   then flushed again,
  *
  * (lam = 1 when no weights are given; flush(k) = 0 where k <= the type's smallest normal number): the arithmetic of
  * ssogvit.ops.gaussian_rows followed, for weighted rows, by backends._common.flush_tiny_product.
  *
- * ssog_rows_*: the tables of a head chunk, for the torch path's matmuls (inference and the backward's recompute).
- * ssog_mix_*:  the whole steered mixing of the patch tokens (inference), one (image, head) at a time: for each query
- *              row iy, the column pass U[k, r] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the
- *              row pass out[iy, ix] = sum_(r,k) lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] U[k, r]; a head's result is
- *              kept aside and written at the end, so `out` may be the values themselves. */
+ * ssog_rows_*:     the tables of a head chunk, for the torch path's matmuls (layouts the mixing cannot read).
+ * ssog_mix_*:      the whole mixing of the patch tokens without autograd (inference, a training step's forward),
+ *                  steered or fixed, one (image, head) at a time: for each query row iy, the column pass
+ *                  U[r, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the row pass
+ *                  out[iy, ix] = sum_(r,k) lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] U[r, k]; a head's result is
+ *                  kept aside and written at the end, so `out` may be the values themselves.
+ * ssog_mix_grad_*: the steered mixing's backward, in the same order. */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
