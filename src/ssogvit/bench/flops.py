@@ -224,9 +224,12 @@ def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans
     """Forward FLOPs per image counted by ``torch.utils.flop_counter.FlopCounterMode`` (one image, no grad).
 
     CPU scaled-dot-product attention and ``nn.MultiheadAttention``'s fast path are absent from torch's FLOP
-    registry; they are added here with torch's own SDPA formula.
+    registry; they are added here with torch's own SDPA formula. SSoG mixes through the torch path here: the C
+    kernel of ``ssogvit.backends.cpu`` does the same multiply-adds where the counter cannot see them.
     """
     from torch.utils.flop_counter import FlopCounterMode
+
+    from ..backends import cpu
 
     h, w = to_2tuple(img_size)
     conv = _patch_conv(model)
@@ -236,7 +239,8 @@ def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=_custom_mapping()) as counter:
+        with torch.no_grad(), cpu.enabled(False), FlopCounterMode(display=False,
+                                                                 custom_mapping=_custom_mapping()) as counter:
             model(x)
     finally:
         model.train(was_training)
