@@ -75,15 +75,16 @@ Rows = Callable[..., Tensor]
 
 def mix_fixed(
     values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
-    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool, rows: Rows,
+    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool, rows: Rows | None = None,
 ) -> Tensor:
     """``ssogvit.ops.ssog_mix`` for ``impl`` in ``"auto"`` (the C kernel of ``backends.cpu`` where it applies, else
     ``"stacked"``), ``"stacked"``, ``"loop"``, ``"einsum"`` (arguments checked there; ``rows`` is
-    ``ssogvit.ops.gaussian_rows``, which the C kernel's first use is checked against)."""
+    ``ssogvit.ops.gaussian_rows``, which the C kernel's first use is checked against: without it ``"auto"`` is
+    ``"stacked"``)."""
     gh, gw = grid
     p = values.shape[1] - gh * gw
     if impl == "auto":
-        if not grad_needed and cpu.mixes(values, (ky, kx, lam), rows):
+        if rows is not None and not grad_needed and cpu.mixes(values, (ky, kx, lam), rows):
             out = values if inplace else torch.empty_like(values)
             write_prefix_pool(out, values, p)  # before any patch row of ``out`` is overwritten
             cpu.fixed_mix(out, values, grid, ky, kx, lam)
