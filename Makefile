@@ -1,6 +1,6 @@
 # Two entry points, both install what they need on a fresh machine into ./.venv:
 #   make demo   install, then train SSoG and its MHA twin on the embedded digits data (the main job)
-#   make test   install, then run the test suite
+#   make test   install, then run the test suite (one pytest-xdist worker per core)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,4 +21,4 @@ demo: install
 	$(VENV)/bin/ssogvit main
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
