@@ -74,6 +74,21 @@ def test_tiny_model_sweep_end_to_end(tmp_path):
     print(f"tiny sweep took {elapsed:.1f} s")  # the issue asks for under a minute; not asserted (shared machine)
 
 
+def test_a_time_only_sweep_plots_without_empty_legends_or_torchs_cuda_home_line(tmp_path, capfd, recwarn):
+    """``--no-memory`` draws no memory lines: the plots are written without matplotlib's "No artists with labels"
+    warning. The points' timer imports ``torch.utils.cpp_extension``, which logs "No CUDA runtime is found" on a
+    machine with a CUDA toolkit and no GPU (this project's, say): that line is kept out of each point's output."""
+    argv = ["models", "--families", "vit", "--sizes", "tiny", "--mixers", "mha", "ssog", "--set", "depth=1",
+            "--res", "32", "--batch", "1", "--warmup", "1", "--iters", "1", "--blocks", "1", "--threads", "1",
+            "--no-memory", "--out", str(tmp_path), "--name", "t"]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r.get("peak_mib") is None for r in rows)
+    assert (tmp_path / "t_relative.png").stat().st_size > 0 and (tmp_path / "t_absolute.png").stat().st_size > 0
+    assert not [str(w.message) for w in recwarn if "legend" in str(w.message)]
+    assert "No CUDA runtime" not in capfd.readouterr().err
+
+
 def test_ode_family_is_measured_against_the_papers_explicit_attention_first(tmp_path):
     argv = ["models", "--families", "ode", "--sizes", "tiny", "--set", "depth=2", "--res", "32", "--batch", "2",
             "--warmup", "1", "--iters", "2", "--threads", "1", "--out", str(tmp_path), "--name", "ode"]

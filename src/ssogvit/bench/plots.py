@@ -55,7 +55,7 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title="Peak memory saved against the baseline")
     for ax in (ax_t, ax_m):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     return _save(plt, fig, path)
 
 
@@ -82,15 +82,15 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
                     continue
                 kw = dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}",
                           label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}")
-                timed = [p for p in pts if p[1] is not None]
-                ax_t.plot([p[0] for p in timed], [p[1] for p in timed], **kw)
-                mem = [p for p in pts if p[2] is not None]
-                ax_m.plot([p[0] for p in mem], [p[2] for p in mem], **kw)
+                for ax, k in ((ax_t, 1), (ax_m, 2)):
+                    drawn = [p for p in pts if p[k] is not None]
+                    if drawn:
+                        ax.plot([p[0] for p in drawn], [p[k] for p in drawn], **kw)
         ax_t.set(title=f"{fam[0]}-{fam[1]}", xlabel="resolution (px)", ylabel="throughput (images/s)", yscale="log")
         ax_m.set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")
         for ax in (ax_t, ax_m):
             ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7)
+            _legend(ax, 7)
     return _save(plt, fig, path)
 
 
@@ -125,10 +125,16 @@ def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        _legend(ax, 8)
     axes[0].set_title("Operator peak memory, fit memory ~ N^k")
     axes[1].set_title("Operator time, fit time ~ N^k")
     return _save(plt, fig, path)
+
+
+def _legend(ax, fontsize: int) -> None:
+    """A legend where the axes drew something labelled (a time-only run, ``--no-memory``, draws no memory lines)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
 
 
 def _save(plt, fig, path: str | Path) -> Path:

@@ -8,6 +8,7 @@ measures its peak memory (``ssogvit.bench.memory``); it never raises: a failure 
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import traceback
@@ -101,6 +102,9 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
 
 def _time(step: Callable[[], Any], *, iters: int, blocks: int, batch: int) -> dict[str, Any]:
     """``blocks`` blocked measurements of ``iters`` calls each (``Timer.timeit``); the best block is the estimate."""
+    # Importing the timer imports torch.utils.cpp_extension, which logs "No CUDA runtime is found" on a machine with
+    # a CUDA toolkit and no GPU: nothing here compiles an extension, so that line is only noise in each point's output.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils.benchmark import Timer
 
     timer = Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
