@@ -50,7 +50,7 @@ def test_torch_peak_memory_sees_transient_allocations():
     assert peak == pytest.approx(16.0, rel=0.02)
 
 
-def test_tiny_model_sweep_end_to_end(tmp_path):
+def test_tiny_model_sweep_end_to_end(tmp_path, capfd):
     t0 = time.perf_counter()
     argv = ["models", "--families", "vit", "--sizes", "tiny", "--mixers", "mha", "ssog", "--set", "depth=2",
             "--res", "32", "64", "--batch", "2", "--warmup", "1", "--iters", "2", "--threads", "1",
@@ -71,6 +71,8 @@ def test_tiny_model_sweep_end_to_end(tmp_path):
     assert (tmp_path / "tiny_relative.png").stat().st_size > 0
     assert (tmp_path / "tiny_absolute.png").stat().st_size > 0
     assert "| vit-tiny-ssog | mha (fused SDPA) | 32 |" in (tmp_path / "tiny.md").read_text()
+    # the memory pass's profiler logged "ERROR: ... gpuGetDeviceCount failed" per point on a CUDA build without a GPU
+    assert "gpuGetDeviceCount" not in capfd.readouterr().err
     print(f"tiny sweep took {elapsed:.1f} s")  # the issue asks for under a minute; not asserted (shared machine)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import traceback
 from collections.abc import Callable
@@ -148,6 +149,10 @@ def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, f
         rss = memory.cpu_peak_call(step)
         out.update(rss, rss_peak_mib=rss["peak_mib"])
     if how in ("allocator", "both"):
+        # The profiler's library (kineto) logs "ERROR: ... gpuGetDeviceCount failed" on a CUDA build of torch without
+        # a GPU, though only CPU activity is asked for: this process is the point's own, so quiet it unless the user
+        # set the level.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         alloc = memory.torch_peak_call(step, kept=kept)
         method = "torch allocator (profiler memory events)" + ("; resident in rss_peak_mib" if how == "both" else "")
         out.update(alloc, peak_mib=alloc["torch_peak_mib"], memory_method=method)
