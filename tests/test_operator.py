@@ -617,14 +617,16 @@ def test_steered_layer_training_keeps_no_per_token_geometry():
     assert kept[STEER_PATHS] <= kept[()]
 
 
-@pytest.mark.parametrize("bad", ["kx_grid", "ky_heads", "lam_atoms"])
+@pytest.mark.parametrize("bad", ["kx_grid", "ky_heads", "lam_atoms", "no_heads", "heads_not_dividing", "lam_1d"])
 def test_fixed_mixing_refuses_kernels_that_do_not_fit_the_grid_or_each_other(bad):
     """The C kernel reads the tables by the grid's sizes: tables of another grid or head count must be refused in
     one line (they were mixed silently), through ``ops.ssog_mix``, the public entry point."""
     v = torch.randn(1, 1 + 12, 8)
     ky, kx, lam = torch.rand(2, 3, 3, 3), torch.rand(2, 3, 4, 4), torch.rand(2, 3)
     ky, kx, lam = {"kx_grid": (ky, torch.rand(2, 3, 5, 5), lam), "ky_heads": (torch.rand(4, 3, 3, 3), kx, lam),
-                   "lam_atoms": (ky, kx, lam[:, :2])}[bad]
+                   "lam_atoms": (ky, kx, lam[:, :2]), "no_heads": (ky[:0], kx[:0], lam[:0]),
+                   "heads_not_dividing": (torch.rand(3, 3, 3, 3), torch.rand(3, 3, 4, 4), torch.rand(3, 3)),
+                   "lam_1d": (ky, kx, lam[0])}[bad]
     with torch.no_grad(), pytest.raises(ValueError, match="expected ky"):
         ops.ssog_mix(v, (3, 4), ky, kx, lam)
 

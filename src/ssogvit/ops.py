@@ -291,9 +291,8 @@ def ssog_mix(
     grad_needed = torch.is_grad_enabled() and any(t.requires_grad for t in (values, ky, kx, lam))
     _check_inplace("ssog_mix", inplace, grad_needed)
     grid = check_grid(values.shape[1], grid)[:2]
-    h, r = lam.shape if lam.ndim == 2 else (-1, -1)
-    if (lam.ndim != 2 or tuple(ky.shape) != (h, r, grid[0], grid[0]) or tuple(kx.shape) != (h, r, grid[1], grid[1])
-            or values.shape[-1] % h):
+    h, r = lam.shape if lam.ndim == 2 else (0, 0)  # no heads: refused below
+    if not h or ky.shape != (h, r, grid[0], grid[0]) or kx.shape != (h, r, grid[1], grid[1]) or values.shape[-1] % h:
         raise ValueError(f"expected ky (H, R, Gh, Gh), kx (H, R, Gw, Gw) and lam (H, R) for the grid {grid} with H "
                          f"dividing the values' width {values.shape[-1]}, got {tuple(ky.shape)}, {tuple(kx.shape)} "
                          f"and {tuple(lam.shape)}")
