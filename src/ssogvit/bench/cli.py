@@ -84,6 +84,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    if args.iters < 0:
+        raise UsageError(f"--iters expects 0 (memory only) or more calls per timed block, got {args.iters}")
+    if args.iters == 0 and args.no_memory:
+        raise UsageError("--iters 0 (no timing) with --no-memory measures nothing; drop one of them")
     return dict(
         warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=_dtype(args.dtype, device),
         mode=args.mode, threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
