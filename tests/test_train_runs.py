@@ -210,7 +210,7 @@ def test_a_failed_launch_writes_nothing(finished, tmp_path, capsys):
         assert cli_main(["train", *tiny(finished, "resume=null")]) == 2
         assert_clear_error(2, capsys.readouterr().err, "unfinished run", "resume=auto")
         assert digest(finished) == before
-        assert cli_main(["eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(res)]) == 0
+        assert cli_main(["eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(res), "--overwrite"]) == 0
         assert json.loads(res.read_text())["top1"] == top1
     finally:
         (finished / "run.json").write_text(json.dumps({"status": "finished"}))
