@@ -25,9 +25,9 @@ allocated.
 Documents read from disk that may come from someone else (a run's `config.yaml`, `config.json` of a saved model,
 the `model.json` of an export) go through `read_document`: a size bound, YAML without Python tags and with at most
 `MAX_YAML_ALIASES` aliases, and no OmegaConf interpolation (`${oc.env:HOME}` is refused, never resolved or printed).
-A model config from a file (there, or in a checkpoint's hyper-parameters) goes through `check_model_config`: a
-model of `ssogvit.models.list_models()`, its values within the declared ranges and at most `MAX_PARAMETERS`
-parameters, checked by building it on the meta device (shapes only, no memory).
+A model config from a file (there, or in a checkpoint's hyper-parameters) goes through
+`ssogvit.models.check_model_config`: a model of `list_models()`, its values within the declared ranges and at most
+`MAX_PARAMETERS` parameters, checked by building it on the meta device (shapes only, no memory).
 
 This module imports only the standard library, numpy, PyYAML and torch at module level: the layers and models use it.
 """
@@ -58,7 +58,7 @@ __all__ = [
     "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Ints", "checked", "check_args",
     "input_file", "input_folder", "check_device",
     "memory_limit", "check_memory", "format_bytes",
-    "read_document", "parse_document", "check_no_interpolation", "check_model_config",
+    "read_document", "parse_document", "check_no_interpolation",
     "MAX_DOCUMENT_BYTES", "MAX_YAML_ALIASES", "MAX_PARAMETERS",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
     "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE",
@@ -593,37 +593,3 @@ def read_document(path: str | os.PathLike, argument: str = "document") -> Any:
     except UnicodeDecodeError:
         raise DocumentError(f"{p}: not a text file (not UTF-8)", argument=str(p)) from None
     return parse_document(text, str(p), json_only=p.suffix.lower() == ".json")
-
-
-def check_model_config(config: Any, *, source: str | os.PathLike = "the model config") -> dict[str, Any]:
-    """`config` (`create_model(**config)`) if it names a model of ours that builds within the declared ranges and
-    `MAX_PARAMETERS`; `DocumentError` otherwise. Run on every model config read from a file, before building.
-
-    The values are checked by the model's and the mixer's own declarations, building on the meta device (shapes
-    only, no memory); so is the parameter count.
-    """
-    from ssogvit.models import create_model, list_models
-
-    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
-        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}",
-                            argument=str(source))
-    config = dict(config)
-    check_no_interpolation(config, str(source))
-    if config["name"] not in list_models():
-        raise DocumentError(f"{source}: unknown model {config['name']!r} (see `ssogvit list models`)",
-                            argument=str(source))
-    built = dict(config)
-    if isinstance(built.get("steer"), list):
-        built["steer"] = tuple(built["steer"])
-    try:
-        with torch.device("meta"):
-            n = sum(p.numel() for p in create_model(**built).parameters())
-    except InputError as err:
-        raise DocumentError(f"{source}: model_config {err}", argument=str(source)) from None
-    except (ValueError, TypeError, RuntimeError) as err:
-        first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise DocumentError(f"{source}: model_config does not build: {first}", argument=str(source)) from None
-    if n > MAX_PARAMETERS:
-        raise DocumentError(f"{source}: model_config asks for {n:,} parameters ({format_bytes(4 * n)} in fp32), "
-                            f"more than the limit of {MAX_PARAMETERS:,}", argument=str(source))
-    return config

@@ -457,6 +457,15 @@ class RunFolder:
         last = folder / "checkpoints" / "last.ckpt"
         return str(last) if last.is_file() else None
 
+    @contextlib.contextmanager
+    def claim(self, resume: Any, config: Mapping[str, Any]) -> Iterator[str | None]:
+        """`with folder.claim(resume, config) as ckpt:` the launch's decision (`decide_resume`) taken before the
+        lock, so that a refused launch writes nothing (not even the lock file), and again holding it, in case
+        another launch came between."""
+        self.decide_resume(resume, config)
+        with self.lock():
+            yield self.decide_resume(resume, config)
+
     def begin(self, write_config: Callable[[Path], Any], **facts: Any) -> None:
         """Start (or resume) the run, holding the lock: remove the temporary files killed writes left, write
         `config.yaml` with `write_config(tmp)` and mark the run `running`."""

@@ -36,6 +36,7 @@ from ssogvit.inputs import (
     checked,
 )
 from ssogvit.layers import create_mixer, is_ssog
+from ssogvit.outputs import staged_outputs
 
 from . import transfer
 
@@ -434,7 +435,8 @@ class VisionTransformerBase(TimmVisionTransformer):
         if existing and not overwrite:
             raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
         model_args = {k: v for k, v in self.config.items() if k != "name"}
-        save_for_hf(self, str(folder), model_args=model_args, safe_serialization=True)
+        with staged_outputs(folder, "save_directory", overwrite=overwrite) as stage:  # both files, or neither
+            save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
         return folder
 
     # -- forward ---------------------------------------------------------------------------------------------------

@@ -211,8 +211,7 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
         return _fit(cfg, output_dir, trainer, dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
     folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
-    with folder.lock():
-        resume = folder.decide_resume(resume_setting, config)
+    with folder.claim(resume_setting, config) as resume:
         if resume is not None:
             ckpt = check_resumable(resume, module.hparams["model_config"])
             epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
