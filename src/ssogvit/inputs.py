@@ -58,7 +58,7 @@ __all__ = [
     "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Ints", "checked", "check_args",
     "input_file", "input_folder", "check_device",
     "memory_limit", "check_memory", "format_bytes",
-    "read_document", "parse_document", "check_no_interpolation",
+    "read_document", "parse_document", "check_no_interpolation", "check_model_config",
     "MAX_DOCUMENT_BYTES", "MAX_YAML_ALIASES", "MAX_PARAMETERS",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
     "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE",
@@ -593,3 +593,11 @@ def read_document(path: str | os.PathLike, argument: str = "document") -> Any:
     except UnicodeDecodeError:
         raise DocumentError(f"{p}: not a text file (not UTF-8)", argument=str(p)) from None
     return parse_document(text, str(p), json_only=p.suffix.lower() == ".json")
+
+
+def check_model_config(config: Any, *, source: str | os.PathLike = "the model config") -> dict[str, Any]:
+    """`ssogvit.models.check_model_config` (the one validator of model configs read from files lives with the models;
+    this name stays for the callers of the first version of this module)."""
+    from ssogvit.models import check_model_config as check
+
+    return check(config, source=source)
