@@ -34,6 +34,7 @@ import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, overw
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path} exists; pass {OVERWRITE_FLAG} to replace it", argument=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob_escape(path.name)}.{TEMP_TAG}-*"):  # a killed earlier write of this file
+        if is_temp_name(stale.name) and not _writer_alive(stale.name) and stale.is_file():
+            stale.unlink(missing_ok=True)
     tmp = temp_path(path)
     try:
         write(tmp)

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from ssogvit.errors import report_errors
-from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, check_device, check_memory, read_document
+from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, Int, check_device, check_memory, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
@@ -276,7 +276,7 @@ def list_main(argv: list[str]) -> int:
     """`ssogvit list [models|mixers|experiments|datasets] [--table N]`"""
     parser = ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
     parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
-    parser.add_argument("--table", type=int, default=None,
+    parser.add_argument("--table", type=Int(1, 1000).argparse, default=None,
                         help="list the experiments of this paper table, each with its row and the paper's Acc@1")
     args = parser.parse_args(argv)
     from .config import experiment_meta, list_experiments

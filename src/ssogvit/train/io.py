@@ -89,7 +89,7 @@ def _checkpoint_file(path: str | Path, what: str = "checkpoint") -> Path:
     the files in it that hold weights)."""
     p = Path(path).expanduser()
     try:
-        return input_file(p, what)
+        return input_file(p, what, what=what)
     except InputError as err:
         hint = ""
         if p.is_dir():

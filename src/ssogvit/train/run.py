@@ -15,6 +15,7 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -230,6 +231,15 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     return summary
 
 
+class _QuietSignals(logging.Filter):
+    """Drops Lightning's own lines about a signal (`Received SIGTERM`, `Detected KeyboardInterrupt`): `fit` says it
+    in one line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("Received SIGTERM" in text or "Detected KeyboardInterrupt" in text)
+
+
 def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
     """`trainer.fit`, ending with one line when SIGINT or SIGTERM stops it (`ssogvit.errors.Interrupted`: what the
     folder holds and how to go on); Lightning's own ending there is `sys.exit(1)` or a traceback."""
@@ -238,6 +248,11 @@ def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
     from ssogvit.errors import Interrupted
 
     signum = None
+    quiet = _QuietSignals()
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch.trainer.connectors.signal_connector",
+                                                "lightning.pytorch.utilities.rank_zero")]
+    for log in loggers:
+        log.addFilter(quiet)
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     except Interrupted as err:
@@ -248,13 +263,16 @@ def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
         if not trainer.interrupted:
             raise
         signum = signal.SIGTERM if trainer.received_sigterm else signal.SIGINT
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)
     if signum is None and not trainer.interrupted:
         return
     last = output_dir / "checkpoints" / "last.ckpt"
     if last.is_file():
         from .io import read_checkpoint
 
-        epochs = int(read_checkpoint(last, mmap=True).get("epoch", 0))
+        epochs = int(read_checkpoint(last, mmap=True).get("epoch", -1)) + 1  # saved at the end of that epoch
         detail = (f"{last} ({epochs} epoch(s) done) resumes the run exactly: launch the same command again "
                   "(resume=auto)")
     else:
