@@ -522,7 +522,7 @@ def check_memory(nbytes: float, what: str, argument: str) -> None:
 # -- documents from disk --------------------------------------------------------------------------------------------
 
 MAX_DOCUMENT_BYTES = 1 << 20  # a config of ours is a few kB
-MAX_YAML_ALIASES = 64  # a config of ours has none; an alias bomb needs thousands
+MAX_YAML_ALIASES = 16  # a config of ours has none; 16 aliases expand a document a few hundred times at most
 MAX_PARAMETERS = 1_000_000_000  # ViT-g/14 has 1.0e9 parameters
 
 
@@ -543,8 +543,13 @@ def check_no_interpolation(document: Any, source: str) -> None:
     """Refuse a document holding an OmegaConf interpolation (`${...}`) in any key or value (never resolved, never
     shown: it could read the environment or files); `DocumentError` naming the key."""
     stack: list[tuple[str, Any]] = [("", document)]
+    seen: set[int] = set()  # a node reached twice (a YAML alias) is walked once
     while stack:
         where, node = stack.pop()
+        if isinstance(node, (Mapping, list, tuple)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
         if isinstance(node, Mapping):
             for key, value in node.items():
                 stack.append((f"{where}.{key}" if where else str(key), value))

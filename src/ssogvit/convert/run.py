@@ -114,6 +114,8 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     dm.prepare_data()
     _check_data(teacher, dm)
+    if c["calib"] is not None:
+        input_folder(c["calib"], "--calib")
     folder = output_folder(cfg)
     check_output_folder(folder.path, "--out")
     with folder.claim(cfg.get("resume"), OmegaConf.to_container(cfg, resolve=True)) as resume:

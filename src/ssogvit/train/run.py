@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
-from ssogvit.outputs import RunFolder
+from ssogvit.outputs import OutputError, RunFolder, check_output_folder
 
 from .errors import ConfigError
 from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
@@ -136,8 +136,10 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
         return ConfigError(f"{what}: {(str(err).splitlines() or [type(err).__name__])[0]}")
 
     output_dir = Path(str(cfg.output_dir)).expanduser()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"output_dir={output_dir} is a file, not a folder")
+    try:  # a file where the folder belongs, a folder that cannot be written or created
+        check_output_folder(output_dir, "output_dir")
+    except OutputError as err:
+        raise ConfigError(str(err)) from None
     try:
         dm = build_datamodule(cfg)
     except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
@@ -212,13 +214,15 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
         return _fit(cfg, output_dir, trainer, dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
     folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
+    planned = folder.decide_resume(resume_setting, config)  # refused here, nothing is written (not even the lock)
+    checked = check_resumable(planned, module.hparams["model_config"]) if planned else None
     with folder.claim(resume_setting, config) as resume:
+        epoch, step = -1, 0
         if resume is not None:
-            ckpt = check_resumable(resume, module.hparams["model_config"])
+            ckpt = checked if resume == planned else check_resumable(resume, module.hparams["model_config"])
             epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
             del ckpt
-        else:
-            epoch, step = -1, 0
+        del checked
         prune_logs(output_dir, epoch=epoch, step=step)
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if verbose and resume:
