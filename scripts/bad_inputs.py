@@ -86,8 +86,9 @@ def _read_only(folder: Path) -> bool:
     return True
 
 
-def build_fixtures(root: Path) -> dict[str, str]:
-    """The files and folders the cases name (`{run}`, `{ckpt}`, ...), under `root`."""
+def build_fixtures(root: Path, *, read_only: bool = True) -> dict[str, str]:
+    """The files and folders the cases name (`{run}`, `{ckpt}`, ...), under `root`; `read_only=False` leaves out
+    the read-only folder `{ro}` (whoever runs the cases then makes one with `make_read_only`)."""
     import torch
 
     from ssogvit.cli import main as cli_main
@@ -196,19 +197,25 @@ def build_fixtures(root: Path) -> dict[str, str]:
     for i in range(4):
         Image.new("L", (16, 16), color=i * 60).save(images / f"{i}.png")
     p["images"] = images
-    for key, names in (("analysis", ("atoms.json", "atoms.md", "atoms.png")), ("report_out", ("runs.md", "curves.png"))):
+    for key, names in (("analysis", ("atoms.json", "atoms.md", "atoms.png")),
+                       ("report_out", ("runs.md", "curves.png"))):
         folder = root / key
         folder.mkdir()
         for name in names:
             (folder / name).write_text("the user's own file\n")
         p[key] = folder
-    p["ro"] = root / "ro"
-    if not _read_only(p["ro"]):
-        p["ro"] = root / "no-read-only-folder-here"
+    if read_only:
+        p["ro"] = Path(make_read_only(root / "ro"))
     return {k: str(v) for k, v in p.items()}
 
 
+def make_read_only(folder: Path) -> str:
+    """`folder` made read-only (its path), or a path saying that no folder can be read-only here."""
+    return str(folder) if _read_only(folder) else str(folder.parent / "no-read-only-folder-here")
+
+
 def release_fixtures(root: Path) -> None:
+    """Make the read-only folder under `root` writable again (so that it can be removed)."""
     if os.geteuid() == 0 and (root / "ro").exists():
         subprocess.run(["chattr", "-i", str(root / "ro")])
 
@@ -217,9 +224,13 @@ def release_fixtures(root: Path) -> None:
 
 
 def _snapshot(folders: list[Path]) -> dict[str, tuple]:
+    """Size, time and inode of every file under `folders`; a run folder's own lock file (which every launch into the
+    folder takes) is left out, a foreign one (`lock_run`) is not."""
     out = {}
     for folder in folders:
         for path in folder.rglob("*"):
+            if path.name in (".lock", ".ssogvit.lock") and path.parent.name != "lock_run":
+                continue
             if path.is_file() and not path.is_symlink():
                 st = path.stat()
                 out[str(path)] = (st.st_size, st.st_mtime_ns, st.st_ino)

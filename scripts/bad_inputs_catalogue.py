@@ -89,8 +89,9 @@ def _api(surface: str, kind: str, needle: str, code: str, owner: str | None = No
 
 def _model_cases() -> list[Case]:
     cm = "create_model('vit-tiny-ssog', **dict(TINY, {}))"
-    bad = [("img_size=224.5", "type"), ("img_size=224.0", "type"), ("img_size='224'", "type"), ("img_size=True", "type"),
-           ("img_size=0", "range"), ("img_size=-16", "range"), ("img_size=(16, 16.5)", "type"), ("img_size=[16]", "type"),
+    bad = [("img_size=224.5", "type"), ("img_size=224.0", "type"), ("img_size='224'", "type"),
+           ("img_size=True", "type"), ("img_size=0", "range"), ("img_size=-16", "range"), ("img_size=(16, 16.5)", "type"),
+           ("img_size=[16]", "type"),
            ("img_size=None", "type"), ("patch_size=0", "range"), ("patch_size=2.5", "type"), ("patch_size='4'", "type"),
            ("drop_path_rate=5", "range"), ("drop_path_rate=-0.1", "range"), ("drop_path_rate=float('nan')", "range"),
            ("drop_path_rate='0.1'", "type"), ("num_classes=-1", "range"), ("num_classes=1.5", "type"),
@@ -119,12 +120,15 @@ def _model_cases() -> list[Case]:
 
 def _mixer_cases() -> list[Case]:
     cases = [_api("create_mixer", kind, needle, f"create_mixer({args})") for args, kind, needle in [
-        ("'ssog', 0, 4", "range", "dim"), ("'ssog', 16, 0", "range", "num_heads"), ("'ssog', 16, 2.0", "type", "num_heads"),
+        ("'ssog', 0, 4", "range", "dim"), ("'ssog', 16, 0", "range", "num_heads"),
+        ("'ssog', 16, 2.0", "type", "num_heads"),
         ("'ssog', 16.0, 2", "type", "dim"), ("'ssog', '16', 2", "type", "dim"), ("'ssog', -16, 2", "range", "dim"),
-        ("'ssog', 10, 3", "range", "num_heads"), ("'flash', 16, 2", "unknown", "flash"), ("None, 16, 2", "type", "mixer"),
+        ("'ssog', 10, 3", "range", "num_heads"), ("'flash', 16, 2", "unknown", "flash"),
+        ("None, 16, 2", "type", "mixer"),
         ("'mha', 16, 2, attn_drop=1.5", "range", "attn_drop"), ("'mha', 16, 2, attn_drop=-1", "range", "attn_drop"),
         ("'mha', 16, 2, fused='yes'", "type", "fused"), ("'ssog', 16, 2, proj_drop=2", "range", "proj_drop"),
-        ("'ssog-steered', 16, 2, steer=()", "range", "steer"), ("'ssog', 16, 2, prefix_pool='max'", "unknown", "prefix_pool"),
+        ("'ssog-steered', 16, 2, steer=()", "range", "steer"),
+        ("'ssog', 16, 2, prefix_pool='max'", "unknown", "prefix_pool"),
         ("'ssog', 16, 2, bias='no'", "type", "bias"), ("'ssog', 16, 2, num_atoms=1025", "range", "num_atoms"),
         ("'ssog', 16, 2, tau_min=-1", "range", "tau_min"), ("'ssog', 16, 2, mu_init_std=-1", "range", "mu_init_std"),
         ("'mha', 16, 2, num_atoms=4", "unknown", "num_atoms"),
@@ -201,15 +205,17 @@ def _train_cases() -> list[Case]:
     run = list(TINY_RUN)
     cases = []
     for override, kind, needle in [
-        ("trainer.max_epochs=-5", "range", "trainer.max_epochs"), ("trainer.max_epochs=abc", "type", "trainer.max_epochs"),
+        ("trainer.max_epochs=-5", "range", "trainer.max_epochs"),
+        ("trainer.max_epochs=abc", "type", "trainer.max_epochs"),
         ("trainer.max_epochs=2.5", "type", "trainer.max_epochs"), ("data.batch_size=0", "range", "data.batch_size"),
         ("data.num_workers=-1", "range", "data.num_workers"), ("data.train_size=0", "range", "train_size"),
         ("data.in_chans=0", "range", "in_chans"), ("data.img_size=224.5", "type", "img_size"),
-        ("data.img_size=100000", "huge", "img_size"), ("data.img_size=8000", "huge", "img_size"),
+        ("data.img_size=100000", "huge", "img_size"), ("data.img_size=16384", "huge", "img_size"),
         ("optim.lr=nan", "range", "optim.lr"), ("optim.lr=-1", "range", "optim.lr"),
         ("optim.opt=nope", "unknown", "optim.opt"), ("seed=abc", "type", "seed"), ("seed=-1", "range", "seed"),
         ("sched.warmup_epochs=-1", "range", "sched.warmup_epochs"), ("loss.smoothing=2", "range", "loss.smoothing"),
-        ("loss.jasmin.reduce=sum", "unknown", "loss.jasmin.reduce"), ("mixup.mixup_alpha=-1", "range", "mixup.mixup_alpha"),
+        ("loss.jasmin.reduce=sum", "unknown", "loss.jasmin.reduce"),
+        ("mixup.mixup_alpha=-1", "range", "mixup.mixup_alpha"),
         ("ema.decay=2", "range", "ema.decay"), ("ckpt.monitor=val/loss", "unknown", "ckpt.monitor"),
         ("ckpt.keep=-5", "range", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "range", "every_n_train_steps"),
         ("trainer.accumulate_grad_batches=0", "range", "accumulate_grad_batches"),
@@ -220,11 +226,13 @@ def _train_cases() -> list[Case]:
         ("model.size=huge", "unknown", "huge"), ("model.mixer=foo", "unknown", "foo"),
         ("+model.kwargs.drop_path_rate=5", "range", "drop_path_rate"), ("+model.kwargs.bogus=1", "unknown", "bogus"),
         ("+model.kwargs.num_atoms=2.5", "type", "num_atoms"), ("nonsense_key=1", "unknown", "nonsense_key"),
-        ("data=nope", "unknown", "nope"), ("experiment=nope", "unknown", "nope"), ("just-a-word", "type", "just-a-word"),
+        ("data=nope", "unknown", "nope"), ("experiment=nope", "unknown", "nope"),
+        ("just-a-word", "type", "just-a-word"),
         ("trainer.max_epochs=[1", "type", "max_epochs"), ("ema.enabled=maybe", "type", "ema.enabled"),
         ("trainer.max_steps=0", "range", "trainer.max_steps"),
     ]:
-        cases.append(_cli("train", kind, needle, "train", *run, "output_dir={tmp}/out", override))
+        extra = ("data.batch_size=1024",) if kind == "huge" else ()  # terabytes: more than any machine holds
+        cases.append(_cli("train", kind, needle, "train", *run, "output_dir={tmp}/out", override, *extra))
     cases += [
         _cli("train", "existing", "finished run", "train", *run, "output_dir={run}"),
         _cli("train", "file-for-folder", "output_dir", "train", *run, "output_dir={file}"),
@@ -247,7 +255,8 @@ def _eval_cases() -> list[Case]:
         (("--json", "{file}"), "existing", "--json"), (("--json", "{tmp}/missing/r.json"), "missing", "--json"),
         (("--json", "{ro}/r.json"), "read-only", "--json"), (("--json", "{tmp}"), "file-for-folder", "--json"),
         (("--json", "{file}/r.json"), "file-for-folder", "--json"), (("--img-size", "100000"), "huge", "--img-size"),
-        (("--img-size", "8000"), "huge", "img"), (("--img-size", "224.5"), "type", "--img-size"),
+        (("--img-size", "16384", "data.batch_size=1024"), "huge", "img"),
+        (("--img-size", "224.5"), "type", "--img-size"),
         (("--img-size", "0"), "range", "--img-size"), (("--img-size", "abc"), "type", "--img-size"),
         (("--patch-size", "0"), "range", "--patch-size"), (("--patch-size", "5"), "range", "patch"),
         (("--rescale-field",), "missing", "--rescale-field"), (("data.img_size=100000",), "huge", "img_size"),
@@ -262,12 +271,14 @@ def _eval_cases() -> list[Case]:
     for key, kind, needle in [("run", "file-for-folder", "is a folder"), ("missing", "missing", "does not exist"),
                               ("torn", "truncated", "torn.ckpt"), ("empty", "truncated", "empty.ckpt"),
                               ("text", "truncated", "text.ckpt"), ("flipped", "bit-flipped", "last.ckpt"),
-                              ("flipped_export", "bit-flipped", "model.safetensors"), ("evil", "malicious", "evil.ckpt"),
+                              ("flipped_export", "bit-flipped", "model.safetensors"),
+                              ("evil", "malicious", "evil.ckpt"),
                               ("nan_ckpt", "range", "non-finite"), ("big_cfg_ckpt", "huge", "embed_dim"),
                               ("torn_export", "truncated", "model.safetensors")]:
         cases.append(_cli("eval", kind, needle, "eval", "--ckpt", "{%s}" % key, "--device", "cpu"))
     cases += [
-        _cli("eval", "malicious", "config.yaml", "eval", "--ckpt", "{bomb_run}/checkpoints/best.ckpt", "--device", "cpu"),
+        _cli("eval", "malicious", "config.yaml", "eval", "--ckpt", "{bomb_run}/checkpoints/best.ckpt", "--device",
+             "cpu"),
         _cli("eval", "malicious", "interpolation", "eval", "--ckpt", "{env_run}/checkpoints/best.ckpt", "--device",
              "cpu"),
     ]
@@ -295,10 +306,13 @@ def _convert_cases() -> list[Case]:
                  (("+model.kwargs.embed_dim=48",), "ignored", "model.kwargs.embed_dim"),
                  (("experiment=digits_vit_ssog",), "ignored", "experiment"),
                  (("mixup.mixup_alpha=0.5",), "ignored", "mixup"), (("convert.recipe=fast",), "unknown", "recipe"),
-                 (("convert.fit_steps=-1",), "range", "fit_steps"), (("convert.calib_images=0",), "range", "calib_images"),
+                 (("convert.fit_steps=-1",), "range", "fit_steps"),
+                 (("convert.calib_images=0",), "range", "calib_images"),
                  (("convert.mixer=mha",), "unknown", "mixer"), (("convert.fit_lr=0",), "range", "fit_lr"),
-                 (("--calib", "{tmp}/nowhere"), "missing", "--calib"), (("--calib", "{file}"), "file-for-folder", "--calib"),
-                 (("--timm-kwargs", "[1]"), "type", "--timm-kwargs"), (("--timm-kwargs", "{{no"), "type", "--timm-kwargs"),
+                 (("--calib", "{tmp}/nowhere"), "missing", "--calib"),
+                 (("--calib", "{file}"), "file-for-folder", "--calib"),
+                 (("--timm-kwargs", "[1]"), "type", "--timm-kwargs"),
+                 (("--timm-kwargs", "{{no"), "type", "--timm-kwargs"),
                  (("--timm-model", "nope_vit"), "unknown", "nope_vit"), (("data.img_size=224.5",), "type", "img_size"),
              ]]
     cases += [_cli("convert", kind, needle, *cv, "--teacher", teacher, "--out", "{tmp}/out")
@@ -325,7 +339,8 @@ def _export_cases() -> list[Case]:
     ]]
     cases.append(_cli("export", "unknown", "--format", "export", "--ckpt", "{export}", "--format", "bogus"))
     for key, kind, needle in [("missing", "missing", "does not exist"), ("run", "file-for-folder", "is a folder"),
-                              ("torn", "truncated", "torn.ckpt"), ("flipped_export", "bit-flipped", "model.safetensors")]:
+                              ("torn", "truncated", "torn.ckpt"),
+                              ("flipped_export", "bit-flipped", "model.safetensors")]:
         cases.append(_cli("export", kind, needle, "export", "--ckpt", "{%s}" % key, "--format", "torchscript",
                           "--out", "{tmp}/m.pt"))
     return cases
@@ -334,7 +349,8 @@ def _export_cases() -> list[Case]:
 def _report_cases() -> list[Case]:
     rp = ("report", "--out", "{tmp}/rep")
     cases = [_cli("report", kind, needle, *rp, target) for target, kind, needle in [
-        ("{tmp}/nowhere", "missing", "nowhere"), ("{file}", "file-for-folder", "file"), ("{tmp}", "unknown", "config.yaml"),
+        ("{tmp}/nowhere", "missing", "nowhere"), ("{file}", "file-for-folder", "file"),
+        ("{tmp}", "unknown", "config.yaml"),
         ("{bomb_run}", "malicious", "config.yaml"), ("{env_run}", "malicious", "interpolation"),
         ("{torn_csv_run}", "truncated", "metrics.csv"),
     ]]
@@ -357,7 +373,8 @@ def _analyze_cases() -> list[Case]:
         ("lipschitz", ("--radii", "x"), "type", "--radii"), ("sinks", ("--num-images", "0"), "range", "--num-images"),
         ("fields", ("--image-index", "99999"), "range", "--image-index"),
         ("fields", ("--image-index", "-1"), "range", "--image-index"), ("fields", ("--query", "1"), "range", "--query"),
-        ("fields", ("--query", "a,b"), "type", "--query"), ("transfer", ("--patch-sizes", "0"), "range", "--patch-sizes"),
+        ("fields", ("--query", "a,b"), "type", "--query"),
+        ("transfer", ("--patch-sizes", "0"), "range", "--patch-sizes"),
         ("transfer", ("--img-sizes", "100000"), "huge", "--img-sizes"), ("atoms", ("--seed", "-1"), "range", "--seed"),
         ("atoms", ("--model-kw", "depth=0"), "range", "depth"), ("atoms", ("--model-kw", "img_size=224.5"), "type",
                                                                   "img_size"),

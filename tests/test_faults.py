@@ -67,7 +67,7 @@ def finished(tmp_path_factory) -> Path:
 # -- signals --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_ends_a_run_in_one_line_leaving_a_checkpoint_that_resumes_it(tmp_path, signum):
     out = tmp_path / "run"
     child = popen("train", *tiny(out, epochs=4))
@@ -189,7 +189,7 @@ def _relaunch_until_finished(argv: list[str], state: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kills", [2, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kills", [1, pytest.param(8, marks=pytest.mark.slow)])
 def test_export_killed_at_random_moments_never_leaves_a_torn_file(finished, tmp_path, kills):
     out = tmp_path / "model.pt"
     argv = ["export", "--ckpt", str(finished / "export" / "model.safetensors"), "--format", "torchscript",

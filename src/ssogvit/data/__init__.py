@@ -63,7 +63,9 @@ def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
                               f"{', '.join(sorted(_options_of(cls)))}")
     if isinstance(options.get("aug"), Mapping):
         options["aug"] = dict(options["aug"])
-    return cls(**options)
+    dm = cls(**options)
+    dm.check_memory()  # before any model is built for these images
+    return dm
 
 
 def _options_of(cls: type) -> set[str]:

@@ -123,11 +123,15 @@ class ClassificationDataModule(pl.LightningDataModule):
         """Bytes of the largest batch of images the loaders hand out (float32, `(B, C, S, S)`)."""
         return max(self.batch_size, self.eval_batch_size) * int(self.in_chans) * self.img_size**2 * 4
 
+    def check_memory(self) -> None:
+        """Refuse (`MemoryLimitError`) a batch of images that cannot fit in this machine's memory."""
+        check_memory(self.batch_bytes(), f"a batch of {max(self.batch_size, self.eval_batch_size)} images of "
+                     f"{self.in_chans}x{self.img_size}x{self.img_size}", "data.img_size and data.batch_size")
+
     def setup(self, stage: str | None = None) -> None:
-        """Build the datasets once; refused first (`MemoryLimitError`) if one batch of images cannot fit in memory."""
+        """Build the datasets once; refused first (`check_memory`) if one batch of images cannot fit in memory."""
         if self.train_set is None:
-            check_memory(self.batch_bytes(), f"a batch of {max(self.batch_size, self.eval_batch_size)} images of "
-                         f"{self.in_chans}x{self.img_size}x{self.img_size}", "data.img_size and data.batch_size")
+            self.check_memory()
             self.train_set, self.val_set = self.build_datasets()
 
     def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:

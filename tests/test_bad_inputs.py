@@ -1,0 +1,111 @@
+"""Every bad input of the catalogue (scripts/bad_inputs_catalogue.py, run by scripts/bad_inputs.py) through the real
+entry points, crossing every command and public constructor with the classes of bad input (missing, existing,
+read-only, a file where a folder belongs, wrong type, out of range, unknown, huge, malicious, truncated, bit-flipped,
+ignored): each must be refused in one line naming the argument, exit status 2, nothing written, nothing changed.
+
+The commands run in this process through `ssogvit.cli.main(argv)`, the console script's own entry function, in a
+fresh working folder each; a sample (one case of every command and every class of bad input) also in a child
+process, and the whole catalogue in child processes under `-m slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import bad_inputs as runner  # noqa: E402
+from bad_inputs_catalogue import CASES, Case  # noqa: E402
+
+#: cases of surfaces another branch owns that already pass here (all others of theirs still fail: xfail, strict)
+OWNED_BUT_CLEAR = {"main: main --out {tmp}/main trainer.limit_train_batches=1 trainer.limit_val_batches=1 --mixers "
+                   "ssog,foo"}
+
+
+def _marks(case: Case) -> list:
+    if case.owner and case.name not in OWNED_BUT_CLEAR:  # slow too: accepted, each runs until its timeout
+        return [pytest.mark.xfail(strict=True, reason=f"surface owned by {case.owner}: adopt inputs/outputs"),
+                pytest.mark.slow]
+    return []
+
+
+def _params(cases: list[Case]) -> list:
+    return [pytest.param(c, marks=_marks(c), id=f"{c.surface}-{c.kind}-{i}") for i, c in enumerate(cases)]
+
+
+def _sample() -> list[Case]:
+    """Few command-line cases that between them cover every command and every class of bad input (greedy)."""
+    pool = [c for c in CASES if c.argv is not None and not c.owner]
+    wanted = {("command", c.argv[0]) for c in pool} | {("kind", c.kind) for c in pool}
+    chosen = []
+    while wanted:
+        best = max(pool, key=lambda c: len(wanted & {("command", c.argv[0]), ("kind", c.kind)}))
+        chosen.append(best)
+        wanted -= {("command", best.argv[0]), ("kind", best.kind)}
+    return chosen
+
+
+@pytest.fixture(scope="session")
+def fixtures(tmp_path_factory, worker_id):
+    """Built once for the whole session and shared by the xdist workers (the first one builds them); each worker has
+    its own read-only folder, working folders and pristine copy to restore from."""
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    root, done = shared / "bad_inputs_fixtures", shared / "bad_inputs_fixtures.json"
+    with FileLock(str(shared / "bad_inputs_fixtures.lock")):
+        if not done.is_file():
+            root.mkdir(exist_ok=True)
+            done.write_text(json.dumps(runner.build_fixtures(root, read_only=False)))
+    base = tmp_path_factory.mktemp("bad_inputs")
+    work, pristine = base / "work", base / "pristine"
+    work.mkdir()
+    shutil.copytree(root, pristine, ignore=shutil.ignore_patterns("fat_saved"))  # 20 GB sparse: never read
+    paths = {**json.loads(done.read_text()), "ro": runner.make_read_only(base / "ro")}
+    yield paths, root, work, pristine
+    runner.release_fixtures(base)
+
+
+def _check(case: Case, fixtures, *, child: bool) -> None:
+    paths, root, work, pristine = fixtures
+    if case.kind == "read-only" and "no-read-only-folder-here" in paths["ro"]:
+        pytest.skip("no folder can be made read-only here (root without chattr)")
+    result = runner.run_case(case, paths, work, child=child, timeout=120)
+    if result.verdict == "lost":
+        runner.restore(root, pristine)
+    assert result.verdict == "clear", f"{result.verdict}: {result.detail}"
+
+
+@pytest.mark.parametrize("case", _params([c for c in CASES if not c.subprocess]))
+def test_bad_input_is_refused_clearly(case, fixtures):
+    _check(case, fixtures, child=False)
+
+
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.subprocess] + _sample()))
+def test_bad_input_is_refused_clearly_in_a_child_process(case, fixtures):
+    _check(case, fixtures, child=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.argv is not None]))
+def test_every_command_case_is_refused_clearly_in_a_child_process(case, fixtures):
+    _check(case, fixtures, child=True)
+
+
+def test_the_catalogue_covers_every_command_constructor_and_class_of_bad_input():
+    from bad_inputs_catalogue import KINDS
+
+    from ssogvit.cli import COMMANDS
+
+    commands = {c.argv[0] for c in CASES if c.argv is not None}
+    assert commands == set(COMMANDS), set(COMMANDS) ^ commands
+    surfaces = {c.surface for c in CASES}
+    for api in ("create_model", "create_mixer", "SSoGAttention", "Attention", "mixer call", "ssogify",
+                "from_pretrained", "timm local-dir", "load_model", "datamodules", "ode family"):
+        assert api in surfaces, api
+    assert {c.kind for c in CASES} == set(KINDS) and len(CASES) >= 300
+    assert len({c.name for c in CASES}) == len(CASES)  # no case twice
