@@ -266,7 +266,11 @@ def _run_cli_child(argv: list[str], cwd: Path, timeout: float, mem_gb: float) ->
         cap = int(mem_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    import ssogvit
+
+    here = str(Path(ssogvit.__file__).resolve().parent.parent)  # the child runs the checkout this process runs
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
     child = subprocess.Popen([sys.executable, "-c", "import sys; from ssogvit.cli import main; sys.exit(main())",
                               *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, preexec_fn=limit)
