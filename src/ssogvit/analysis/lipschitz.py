@@ -237,6 +237,17 @@ def lipschitz_report(
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _log_axis(axis) -> None:
+    """A log axis labelled at 1, 2, 5 (and 3 when a decade holds few ticks) times each power of ten, written as
+    plain numbers: a range inside one decade would otherwise carry one or two labels."""
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+    axis.axes.set_xscale("log") if axis.axis_name == "x" else axis.axes.set_yscale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_lipschitz(reports: dict[str, dict], path) -> object:
     """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
     has_fixed = any(r["fixed"] for r in reports.values())
@@ -258,7 +269,7 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_yscale("log")
+        _log_axis(ax.yaxis)
         ax.set_xlabel("fixed-SSoG mixer")
         ax.set_ylabel("Lipschitz constant")
         ax.legend(fontsize=7)
@@ -274,8 +285,8 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
                         label=f"{label}: local ||J||, {row['layer']}")
                 ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], f"{marker}:", ms=3, **style,
                         label=f"{label}: frozen-geometry bound, {row['layer']}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_axis(ax.xaxis)
+        _log_axis(ax.yaxis)
         ax.set_xlabel("token norm r (ball radius)")
         ax.set_ylabel("largest ||J(x)||₂ found, ||x_t|| = r")
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no line

@@ -105,11 +105,11 @@ def plot_transfer(tables: dict[str, list[dict]], path) -> object:
                              if r is trained or (r["kind"] == kind and r["rescale"] == rescale))
                 if rescale and len(pts) < 2:
                     continue
-                ax.plot([v for v, _ in pts], [a for _, a in pts], ls, marker="o", color=f"C{k}",
+                ax.plot([v for v, _ in pts], [100 * a for _, a in pts], ls, marker="o", color=f"C{k}",
                         label=f"{label}{' (μ, σ rescaled)' if rescale else ''}")
             ax.axvline(trained[key], color="0.7", lw=0.8)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("top-1")
+        ax.set_ylabel("top-1 (%)")
         ax.legend(fontsize=7)
     axes[0].set_title("other patch sizes, training image size (grey: trained)", fontsize=9)
     axes[1].set_title("other image sizes, training patch size", fontsize=9)
