@@ -61,6 +61,7 @@ def test_without_a_root_the_recipe_says_what_to_pass(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two 30-epoch runs: about 3 minutes on a quiet 2-core machine
 def test_on_the_digits_as_files_it_reaches_what_the_digits_datamodule_reaches(tmp_path):
     """Same images, same recipe and model, one loaded from PNG files by `imagefolder`, one from scikit-learn."""
     from ssogvit.train.config import compose

@@ -49,21 +49,22 @@ def atoms_report(model: nn.Module) -> dict:
 
 
 def plot_atoms(reports: dict[str, dict], path) -> object:
-    """Heat map of effective atoms, one panel per model: rows are mixers, columns heads (1 = one atom, R = all); the
-    colour scale spans the values drawn, printed in each cell."""
+    """Heat map of effective atoms, one panel per model: rows are mixers, columns heads (1 = one atom, R = all); one
+    colour scale for all panels, spanning the values drawn, and each value printed in its cell."""
     reports = {k: r for k, r in reports.items() if r["layers"]}
     if not reports:
         return None
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, len(reports), figsize=(4.2 * len(reports), 0.35 * max(
-        len(r["layers"]) for r in reports.values()) + 1.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(reports), figsize=(4.4 * len(reports) + 0.8, 0.35 * max(
+        len(r["layers"]) for r in reports.values()) + 1.6), squeeze=False, layout="constrained")
+    # one colour scale for every panel, spanning the values drawn (a 1..R scale shows 3.96..4.00 as one colour); the
+    # colour bar says which range that is
+    values = [v for rep in reports.values() for row in rep["layers"] for v in row["per_head"]]
+    low, high = min(values), max(values)
+    if high - low < 1e-3:
+        low, high = low - 5e-4, high + 5e-4
     for ax, (label, rep) in zip(axes[0], reports.items()):
         grid = [row["per_head"] for row in rep["layers"]]
-        # the colour scale spans the values drawn (a 1..R scale shows 3.96..4.00 as one colour); the colour bar
-        # says which range that is
-        low, high = min(min(row) for row in grid), max(max(row) for row in grid)
-        if high - low < 1e-3:
-            low, high = low - 5e-4, high + 5e-4
         im = ax.imshow(grid, vmin=low, vmax=high, cmap="viridis", aspect="auto")
         for i, row in enumerate(grid):
             for h, v in enumerate(row):
@@ -73,7 +74,8 @@ def plot_atoms(reports: dict[str, dict], path) -> object:
         ax.set_yticks(range(len(grid)), names, fontsize=7)
         ax.set_xticks(range(len(grid[0])), [f"h{h}" for h in range(len(grid[0]))], fontsize=7)
         ax.set_title(f"{label}: mean {rep['mean']:.2f} of R={rep['num_atoms']}", fontsize=8)
-        fig.colorbar(im, ax=ax, fraction=0.046).set_label(f"effective atoms (1 to R={rep['num_atoms']})", fontsize=7)
+    bar = fig.colorbar(im, ax=list(axes[0]), fraction=0.03, pad=0.02)
+    bar.set_label(f"effective atoms (1 to R; one scale, {low:.2f} to {high:.2f})", fontsize=7)
+    bar.ax.tick_params(labelsize=7)
     fig.suptitle("effective atoms exp(H(λ)) per head", fontsize=9)
-    fig.tight_layout()
     return results.save_figure(fig, path)

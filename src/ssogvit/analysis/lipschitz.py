@@ -238,13 +238,25 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def _log_axis(axis) -> None:
-    """A log axis labelled at 1, 2, 5 (and 3 when a decade holds few ticks) times each power of ten, written as
-    plain numbers: a range inside one decade would otherwise carry one or two labels."""
-    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+    """Make `axis` logarithmic with labelled ticks at 1, 2, 3, 5 times each power of ten inside its range (more
+    inside a single decade, thinned to 1, 2, 5 when there are many), written as plain numbers: a range inside one decade would otherwise carry one or
+    two labels. Call it after plotting (it reads the axis's range)."""
+    import math
 
-    axis.axes.set_xscale("log") if axis.axis_name == "x" else axis.axes.set_yscale("log")
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, StrMethodFormatter
+
+    ax = axis.axes
+    ax.set_xscale("log") if axis.axis_name == "x" else ax.set_yscale("log")
+    low, high = ax.get_xlim() if axis.axis_name == "x" else ax.get_ylim()
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    ticks = [m * 10.0 ** k for k in decades for m in (1, 2, 3, 5) if low <= m * 10.0 ** k <= high]
+    if len(ticks) < 4:  # a range inside one decade: label 4, 6, 8 too
+        ticks = [m * 10.0 ** k for k in decades for m in (1, 1.5, 2, 3, 4, 5, 6, 8) if low <= m * 10.0 ** k <= high]
+    if len(ticks) > 8:
+        ticks = [t for t in ticks if round(t / 10 ** math.floor(math.log10(t)), 6) in (1, 2, 5)]
+    axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axis.set_minor_locator(NullLocator())
     axis.set_minor_formatter(NullFormatter())
 
 
@@ -256,7 +268,8 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         return None
     plt = results.pyplot()
     panels = int(has_fixed) + int(has_steered)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered + 2.2 * has_fixed, 3.6),
+                             squeeze=False)
     axes = list(axes[0])
     if has_fixed:
         ax = axes.pop(0)
@@ -272,7 +285,7 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         _log_axis(ax.yaxis)
         ax.set_xlabel("fixed-SSoG mixer")
         ax.set_ylabel("Lipschitz constant")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no point
         ax.set_title("fixed SSoG: the estimate stays below the bound", fontsize=9)
     if has_steered:
         ax = axes.pop(0)

@@ -190,7 +190,7 @@ def plot_sinks(summaries: dict[str, dict], path) -> object:
     with larger hollow markers drawn on top.
     """
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0))
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1)))]
     notes: dict = {}  # panel -> [(colour, text)] for the metrics constant by construction
     for k, (label, s) in enumerate(summaries.items()):
@@ -208,8 +208,9 @@ def plot_sinks(summaries: dict[str, dict], path) -> object:
     for ax, title in zip(axes, ("sink score (1 = no sink)", "same-key share", "CLS mass from patch queries")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("mixer application")
-        for i, (color, text) in enumerate(notes.get(ax, [])):
-            ax.text(0.02, 0.03 + 0.09 * i, text, transform=ax.transAxes, fontsize=6.5, color=color, va="bottom")
+        for i, (color, text) in enumerate(notes.get(ax, [])):  # below the panel, clear of its lines
+            ax.text(0.0, -0.24 - 0.075 * i, text, transform=ax.transAxes, fontsize=6.5, color=color, va="top",
+                    wrap=True)
         if ax.get_lines():
             ax.legend(fontsize=7)
     from matplotlib.ticker import MaxNLocator
