@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -249,6 +251,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     start = time.perf_counter()
     results = []
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no state inherited from this process
+    # SIGTERM (kill, a scheduler) ends the job as Ctrl-C does: leaving the `with` terminates the pool, so no run is
+    # left training as an orphan
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with context.Pool(jobs, initializer=_init_worker, initargs=(args.threads,)) as pool:
         for run, summary in pool.imap_unordered(_train_one, [(r, args.epochs) for r in runs]):
             results.append((run, summary))
