@@ -58,11 +58,13 @@ def test_main_job_table_folders_curves_target_and_a_fresh_folder(tmp_path, capsy
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--epochs", "0"], "argument --epochs: expected a whole number >= 1, got '0'"),
-    (["--seeds", "0,x"], "argument --seeds: expected comma-separated whole numbers"),
+    (["--epochs", "0"], "argument --epochs: expected an integer >= 1, got '0'"),
+    (["--epochs", "2.5"], "argument --epochs: expected an integer >= 1, got '2.5'"),
+    (["--seeds", "0,x"], "argument --seeds: expected a list of 1 or more integers in [0, 4294967295], got '0,x'"),
     (["--mixers", "ssog,foo"], "--mixers 'ssog,foo': expected a comma-separated list from ssog, ssog-steered, mha"),
     (["--heads", "cls"], "--heads 'cls': expected a comma-separated list from avg, token"),
-    (["--jobs", "-1"], "argument --jobs: expected a whole number >= 1"),
+    (["--jobs", "-1"], "argument --jobs: expected an integer >= 1"),
+    (["trainer.max_epochs=0"], "trainer.max_epochs=0: expected an integer >= 1 or -1"),
 ])
 def test_main_job_refuses_bad_arguments_in_one_line_before_writing(tmp_path, capsys, args, message):
     out = tmp_path / "main"
@@ -78,7 +80,7 @@ def test_main_job_command_line_refuses_zero_epochs_with_status_2():
     res = subprocess.run([sys.executable, "-m", "ssogvit", "main", "--epochs", "0"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == ("ssogvit main: argument --epochs: expected a whole number >= 1, got '0' "
+    assert res.stderr.strip() == ("ssogvit main: argument --epochs: expected an integer >= 1, got '0' "
                                   "(see `ssogvit main --help`)")
 
 

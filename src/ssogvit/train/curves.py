@@ -30,7 +30,7 @@ def read_epoch_metrics(run_dir: str | Path) -> dict[str, dict[int, float]]:
 
 
 def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], path: str | Path, *,
-                         title: str | None = None) -> Path | None:
+                         title: str | None = None, overwrite: bool = False) -> Path | None:
     """One PNG with a panel per `CURVES` metric and a line per label, epochs from 1.
 
     Args:
@@ -38,6 +38,7 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
             epoch that every one of them logged, and a band spans the lowest to the highest run.
         path: the PNG to write.
         title: the figure's title.
+        overwrite: replace `path` if it exists (otherwise an existing file is refused, `ssogvit.outputs`).
 
     Returns:
         The path, or None when no run has a CSV log to draw from (e.g. `logger=[]`).
@@ -72,8 +73,12 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
     axes[-1].legend(fontsize="small")
     if title:
         fig.suptitle(title)
+    from ssogvit.outputs import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=overwrite)
+    finally:
+        plt.close(fig)
     return path

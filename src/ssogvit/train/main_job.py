@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import signal
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -172,33 +170,26 @@ def check_target(groups: dict[tuple[str, str], list[tuple[int, dict]]], suited: 
 
 
 def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """A comma-separated choice of `allowed` names (`ssogvit.inputs.Choice` each), in the order given, each once."""
+    from ssogvit.inputs import Choice, InputError
+
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        from ssogvit.errors import UsageError
-
-        raise UsageError(f"--{what} {text!r}: expected a comma-separated list from {', '.join(allowed)}")
-    return list(dict.fromkeys(names))
-
-
-def _positive(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
-
-
-def _seeds(text: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers (e.g. 0,1,2), got {text!r}")
-    return list(dict.fromkeys(int(p) for p in parts))
+    try:
+        if not names:
+            raise InputError("empty")
+        return list(dict.fromkeys(Choice(tuple(allowed)).check(n, f"--{what}") for n in names))
+    except InputError:
+        raise InputError(f"--{what} {text!r}: expected a comma-separated list from {', '.join(allowed)}",
+                         argument=f"--{what}") from None
 
 
 def main(argv: list[str]) -> int:
     from ssogvit.errors import report_errors
+    from ssogvit.inputs import SEED, Int, Ints
 
     from .cli import ArgumentParser
 
+    at_least_one = Int(low=1).argparse
     parser = ArgumentParser(
         prog="ssogvit main",
         description="Train SSoG (fixed and steered) and its MHA twin on the 8x8 grid of the embedded digits (no "
@@ -206,14 +197,15 @@ def main(argv: list[str]) -> int:
         "seed). What it trains is ssogvit/conf/main.yaml. Extra arguments are Hydra overrides applied to every run.",
     )
     parser.add_argument("--out", default=None, help="output folder (default runs/main/<date-time>)")
-    parser.add_argument("--epochs", type=_positive, default=None, help="override the experiments' epoch count (12)")
+    parser.add_argument("--epochs", type=at_least_one, default=None,
+                        help="override the experiments' epoch count (12)")
     parser.add_argument("--mixers", default=None, help="only these mixers, comma-separated (ssog, ssog-steered, mha)")
     parser.add_argument("--heads", default=None, help="every experiment with these heads, comma-separated: avg (mean "
                         "of the patch tokens), token (class token); default the plan's")
-    parser.add_argument("--seeds", type=_seeds, default=None, help="comma-separated seeds (default the plan's: 0,1,2)")
-    parser.add_argument("--jobs", type=_positive, default=2, help="runs trained at once, each in its own process "
+    parser.add_argument("--seeds", type=Ints(item=SEED).argparse, default=None, help="comma-separated seeds (default the plan's: 0,1,2)")
+    parser.add_argument("--jobs", type=at_least_one, default=2, help="runs trained at once, each in its own process "
                         "(default 2)")
-    parser.add_argument("--threads", type=_positive, default=1,
+    parser.add_argument("--threads", type=at_least_one, default=1,
                         help="torch CPU threads per run (default 1: these matrices are too small to share)")
     parser.add_argument("--no-progress", action="store_true", help="no line per finished run")
     args, overrides = parser.parse_known_args(argv)
@@ -221,10 +213,9 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    import multiprocessing
+    from ssogvit.outputs import FolderLock, check_output_folder
 
-    from .config import compose
-    from .curves import plot_training_curves
+    from .config import check_run_config, compose
     from .run_folder import fresh_folder
 
     plan = load_plan()
@@ -239,8 +230,20 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if out != asked:
         print(f"ssogvit main: {asked} holds another run; writing to {out}")
     runs = plan_runs(out, plan, overrides, **choice)
-    for run in runs:  # every override checked before any process starts or anything is written
-        compose(run_overrides(run, args.epochs))
+    for run in runs:  # every override and value checked before any process starts or anything is written
+        check_run_config(compose(run_overrides(run, args.epochs)))
+    check_output_folder(out, "--out")
+    with FolderLock(out, elsewhere="choose another --out"):  # one live job per folder; each run has its own lock
+        return _train_all(args, plan, suited, runs, out)
+
+
+def _train_all(args: argparse.Namespace, plan: dict[str, Any], suited: dict[str, str], runs: list[MainRun],
+               out: Path) -> int:
+    import multiprocessing
+
+    from .config import compose
+    from .curves import plot_training_curves
+
     cfg = compose(run_overrides(runs[0], args.epochs))
     side = cfg.data.img_size // cfg.model.kwargs.patch_size
     jobs = min(args.jobs, len(runs))
@@ -251,9 +254,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     start = time.perf_counter()
     results = []
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no state inherited from this process
-    # SIGTERM (kill, a scheduler) ends the job as Ctrl-C does: leaving the `with` terminates the pool, so no run is
-    # left training as an orphan
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGINT and SIGTERM raise `Interrupted` here (ssogvit.cli): leaving the `with` terminates the pool, so no run is
+    # left training as an orphan; each run's last.ckpt is in its folder
     with context.Pool(jobs, initializer=_init_worker, initargs=(args.threads,)) as pool:
         for run, summary in pool.imap_unordered(_train_one, [(r, args.epochs) for r in runs]):
             results.append((run, summary))
