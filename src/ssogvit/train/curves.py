@@ -77,7 +77,7 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    try:  # the one writer (ssogvit.outputs): a kill leaves the old file or nothing
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=overwrite)
     finally:
         plt.close(fig)
