@@ -1,19 +1,23 @@
-/* SSoG on the CPU (docs/operator.md, "Backends"; compiled and loaded by ssogvit/backends/cpu.py).
+/* SSoG on the CPU (docs/operator.md, "Backends"; compiled, loaded and registered as torch ops by
+ * ssogvit/backends/cpu.py).
  *
  * Kernel rows, built the R rows of a row of queries at a time in cache:
  *
  *     row[r, j] = lam_r * flush(softmax_j(-((j - q - mu_r) s_r)^2)),   then flushed again,
  *
  * (lam = 1 when no weights are given; flush(k) = 0 where k <= the type's smallest normal number): the arithmetic of
- * ssogvit.ops.gaussian_rows followed, for weighted rows, by backends._common.flush_tiny_product.
+ * ssogvit.core.gaussian_rows followed, for weighted rows, by core.flush_tiny_product. NaN and infinities go through
+ * as IEEE arithmetic takes them (the library is compiled without -ffinite-math-only): a NaN in a row's geometry
+ * makes the whole row NaN, as torch's softmax does.
  *
- * ssog_rows_*:     the tables of a head chunk, for the torch path's matmuls (layouts the mixing cannot read).
- * ssog_mix_*:      the whole mixing of the patch tokens without autograd (inference, a training step's forward),
- *                  steered or fixed, one (image, head) at a time: for each query row iy, the column pass
- *                  U[r, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the row pass
- *                  out[iy, ix] = sum_(r,k) lam_(iy,ix)[r] K^x(g_(iy,ix))[r, ix, k] U[r, k]; a head's result is
- *                  kept aside and written at the end, so `out` may be the values themselves.
- * ssog_mix_grad_*: the steered mixing's backward, in the same order. */
+ * ssog_mix_*:        the whole mixing of the patch tokens (inference, a training step's forward), steered or fixed,
+ *                    one (image, head) at a time: for each query row iy, the column pass
+ *                    U[r, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the row pass
+ *                    out[iy, ix] = sum_(r,k) W(g_(iy,ix))[r, ix, k] U[r, k]; a head's result is kept aside and
+ *                    written at the end, so `out` may be the values themselves.
+ * ssog_mix_grad_*:   the steered mixing's backward, in the same order.
+ * ssog_fixed_grad_*: the fixed mixing's backward, one source row at a time (the factorisation of the torch
+ *                    backend's, so that non-finite numbers land where they land there). */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -26,7 +30,7 @@
 
 /* The R rows of `count` queries, rows n long, one query after the other in `o`: query c has the index qi + c * dq,
  * its rows' mu and s start at c * qs and lie `es` elements apart, and its weights lam (if any) start at c * lqs. */
-#define SSOG_QUERY_ROWS(NAME, T, EXP, MAX, HUGE, TINY, LOW)                                                      \
+#define SSOG_QUERY_ROWS(NAME, T, EXP, HUGE, TINY, LOW)                                                      \
     static inline void NAME(T *o, const T *mu, const T *s, const T *lam, int64_t es, int64_t qs, int64_t lqs,    \
                             int64_t count, int qi, int dq, int n, int64_t r) {                                    \
         int64_t block = count * r * n;                                                                            \
@@ -45,9 +49,9 @@
             }                                                                                                     \
         }                                                                                                         \
         /* exp over all rows at once (long vectors); arguments below LOW, whose exp is below the type's smallest   \
-           normal number, are clamped into exp's fast range and then zeroed */                                    \
+           normal number, are clamped into exp's fast range and then zeroed (a NaN stays NaN: no fmax here) */    \
         for (int64_t j = 0; j < block; ++j) {                                                                     \
-            T x = o[j], e = EXP(MAX(x, LOW));                                                                     \
+            T x = o[j], e = EXP(x < LOW ? LOW : x);                                                               \
             o[j] = x < LOW ? (T)0 : e;                                                                            \
         }                                                                                                         \
         for (int64_t c = 0; c < count; ++c) {                                                                     \
@@ -65,27 +69,18 @@
         }                                                                                                         \
     }
 
-/* out[m, c, q, r, :] = the rows of query q; mu, s, lam hold a contiguous (C, Q, R) block per m, `stride_m` apart. */
-#define SSOG_ROWS(NAME, ROWS, T)                                                                                  \
-    void NAME(const T *mu, const T *s, const T *lam, T *out, int64_t stride_m, int64_t m_count, int64_t c,         \
-              int64_t q, int64_t r) {                                                                             \
-        _Pragma("omp parallel for schedule(static) if (m_count * c * q * r * q >= PARALLEL_ENTRIES)")            \
-        for (int64_t t = 0; t < m_count * c; ++t) {                                                               \
-            int64_t src = t / c * stride_m + t % c * q * r;                                                       \
-            ROWS(out + t * q * r * q, mu + src, s + src, lam ? lam + src : NULL, 1, r, r, q, 0, 1, (int)q, r);   \
-        }                                                                                                         \
-    }
-
 /* c[i, :dh] (+)= sum_j a[i, j] b[j, :dh] for i < m, j < kk (a[i, j] at a + i lda + j acs; rows of b and c ldb, ldc
  * apart; added to c when `add`): both passes of the mixing and of its backward. Tiles
  * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
  * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
  * only its own. */
-#define SSOG_GEMM(NAME, T)                                                                                        \
-    typedef T NAME##_vec __attribute__((vector_size(32), aligned(sizeof(T))));                                    \
+typedef float f32_vec __attribute__((vector_size(32), aligned(sizeof(float))));
+typedef double f64_vec __attribute__((vector_size(32), aligned(sizeof(double))));
+
+#define SSOG_GEMM(NAME, T, VEC)                                                                                   \
     static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, int64_t acs, const T *b, int64_t ldb,     \
                             int64_t m, int64_t kk, int64_t dh, int add) {                                         \
-        typedef NAME##_vec vec;                                                                                   \
+        typedef VEC vec;                                                                                          \
         enum { W = 32 / sizeof(T) };                                                                              \
         for (int64_t m0 = 0; m0 < m; m0 += 4) {                                                                   \
             int64_t mr = m - m0 < 4 ? m - m0 : 4;                                                                 \
@@ -120,8 +115,9 @@
 
 /* The mixing of the patch tokens of `b` images: values v and out (B, P + N, H * dh) with rows `*_st` and images `*_sb`
  * elements apart (unit stride within a row). Steered: mu, s contiguous (B, N, H, R, 2), lam (B, N, H, R), and
- * ky = wx = NULL. Fixed: mu = s = lam = NULL and the field's tables, ky (H, R, Gh, Gh) and the row pass's weighted
- * lam K^x laid out (H, Gw, R, Gw), both contiguous. `work`: ssog_mix_work(...) numbers for each of `threads` threads
+ * ky = wx = NULL. Fixed: mu = s = lam = NULL and the field's tables, lam K^y (H, R, Gh, Gh) flushed as `ky` and
+ * K^x laid out (H, Gw, R, Gw) for the row pass (`wx`), both contiguous (core.mix_fixed's lam K^y and K^x: the
+ * torch backend's factors, so that exact zeros, and the non-finite numbers they meet, are the same). `work`: ssog_mix_work(...) numbers for each of `threads` threads
  * (allocated by the caller, so that PyTorch's allocator counts them). */
 int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * gw;
@@ -165,19 +161,45 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         }                                                                                                         \
     }
 
-/* c[i, j] = sum_d a[i, d] b[j, d] for i < m, j < nn, d < kk (rows lda, ldb, ldc apart): the backward's products
- * with a transposed factor (dL/dW = G U^T, dL/dK^y = dL/dU V^T), as dot products the compiler vectorises. */
-#define SSOG_GEMM_NT(NAME, T)                                                                                     \
-    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, const T *b, int64_t ldb, int64_t m,       \
-                            int64_t nn, int64_t kk) {                                                             \
-        for (int64_t i = 0; i < m; ++i)                                                                           \
-            for (int64_t j = 0; j < nn; ++j) {                                                                    \
-                const T *restrict ai = a + i * lda, *restrict bj = b + j * ldb;                                   \
-                T sum = 0;                                                                                        \
-                for (int64_t d = 0; d < kk; ++d)                                                                  \
-                    sum += ai[d] * bj[d];                                                                         \
-                c[i * ldc + j] = sum;                                                                             \
+/* c[i ldc + j cs] (+)= sum_d a[i lda + d] b[j ldb + d] for i < m, j < nn, d < kk: the backwards' products with a
+ * transposed factor (dL/dW = G U^T, dL/dK = dL/dU V^T). Tiles of 4 rows of a by 2 rows of b keep 8 vector
+ * accumulators in registers while d goes by (a tile at an edge repeats its last row and stores only its own), the
+ * lanes are summed at the end, the last kk % W terms one by one. */
+#define SSOG_GEMM_NT(NAME, T, VEC)                                                                                \
+    static inline void NAME(T *c, int64_t ldc, int64_t cs, const T *a, int64_t lda, const T *b, int64_t ldb,      \
+                            int64_t m, int64_t nn, int64_t kk, int add) {                                         \
+        typedef VEC vec;                                                                                          \
+        enum { W = 32 / sizeof(T) };                                                                              \
+        int64_t kv = kk / W * W;                                                                                  \
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {                                                                   \
+            int64_t mi = m - i0 < 4 ? m - i0 : 4;                                                                 \
+            const T *a0 = a + i0 * lda, *a1 = a0 + (mi > 1) * lda, *a2 = a0 + (mi > 2) * 2 * lda,                \
+                    *a3 = a0 + (mi > 3) * 3 * lda;                                                                \
+            for (int64_t j0 = 0; j0 < nn; j0 += 2) {                                                              \
+                int64_t nj = nn - j0 < 2 ? nn - j0 : 2;                                                           \
+                const T *b0 = b + j0 * ldb, *b1 = b0 + (nj > 1) * ldb;                                            \
+                vec s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};       \
+                for (int64_t d = 0; d < kv; d += W) {                                                             \
+                    vec y0 = *(const vec *)(b0 + d), y1 = *(const vec *)(b1 + d);                                 \
+                    vec x0 = *(const vec *)(a0 + d), x1 = *(const vec *)(a1 + d);                                 \
+                    vec x2 = *(const vec *)(a2 + d), x3 = *(const vec *)(a3 + d);                                 \
+                    s00 += x0 * y0, s01 += x0 * y1, s10 += x1 * y0, s11 += x1 * y1;                               \
+                    s20 += x2 * y0, s21 += x2 * y1, s30 += x3 * y0, s31 += x3 * y1;                               \
+                }                                                                                                 \
+                vec tile[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};                                \
+                const T *rows_a[4] = {a0, a1, a2, a3}, *rows_b[2] = {b0, b1};                                     \
+                for (int64_t i = 0; i < mi; ++i)                                                                  \
+                    for (int64_t j = 0; j < nj; ++j) {                                                            \
+                        T sum = 0;                                                                                \
+                        for (int l = 0; l < W; ++l)                                                               \
+                            sum += tile[i][j][l];                                                                 \
+                        for (int64_t d = kv; d < kk; ++d)                                                         \
+                            sum += rows_a[i][d] * rows_b[j][d];                                                   \
+                        T *o = c + (i0 + i) * ldc + (j0 + j) * cs;                                                \
+                        *o = add ? *o + sum : sum;                                                                \
+                    }                                                                                             \
             }                                                                                                     \
+        }                                                                                                         \
     }
 
 /* Backward of one kernel row K = softmax_j(-(d_j s)^2), d_j = (j - q) - mu, given g = dL/dK: with
@@ -237,7 +259,7 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                     }                                                                                             \
                 for (int64_t ix = 0; ix < gw; ++ix)                                                               \
                     memcpy(gq + ix * dh, gb + (iy * gw + ix) * g_st, sizeof(T) * dh);                             \
-                GEMM_NT(gw_, rg, gq, dh, u, dh, gw, rg, dh);               /* dL/dW (gw, R Gw) */                 \
+                GEMM_NT(gw_, rg, 1, gq, dh, u, dh, gw, rg, dh, 0);        /* dL/dW (gw, R Gw) */                 \
                 GEMM(gu, dh, w, 1, rg, gq, dh, rg, gw, dh, 0);             /* dL/dU = W^T G (R Gw, dh) */          \
                 for (int64_t ix = 0; ix < gw; ++ix)  /* the queries (iy, ix): their weights and x-rows */         \
                     for (int64_t ri = 0; ri < r; ++ri) {                                                          \
@@ -252,7 +274,7 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                                  g_s + 2 * at + 1);                                                               \
                     }                                                                                             \
                 for (int64_t k = 0; k < gw; ++k) { /* the tokens (iy, k): their y-rows, and dL/dV */              \
-                    GEMM_NT(gky + k * r * gh, gh, gu + k * dh, gw * dh, cols + k * gh * dh, dh, r, gh, dh);       \
+                    GEMM_NT(gky + k * r * gh, gh, 1, gu + k * dh, gw * dh, cols + k * gh * dh, dh, r, gh, dh, 0);       \
                     GEMM(gcols + k * gh * dh, dh, ky + k * r * gh, 1, gh, gu + k * dh, gw * dh, gh, r, dh, 1);    \
                     for (int64_t ri = 0; ri < r; ++ri) {                                                          \
                         int64_t at = gi + k * qs + ri;                                                            \
@@ -267,17 +289,60 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         }                                                                                                         \
     }
 
-SSOG_QUERY_ROWS(query_rows_f32, float, expf, fmaxf, FLT_MAX, FLT_MIN, -87.0f)
-SSOG_QUERY_ROWS(query_rows_f64, double, exp, fmax, DBL_MAX, DBL_MIN, -708.0)
-SSOG_GEMM(gemm_f32, float)
-SSOG_GEMM(gemm_f64, double)
-SSOG_GEMM_NT(gemm_nt_f32, float)
-SSOG_GEMM_NT(gemm_nt_f64, double)
+/* Gradients of the fixed mixing (docs/operator.md, "Backward"), one (image, head) at a time and, within it, one source
+ * row jy at a time, the x-pass recomputed: with Kyl = lam K^y (H, R, Gh, Gh) as `kyl`, K^x (H, R, Gw, Gw) as `kx`
+ * (both contiguous) and G = dL/dout, U = K^x V[jy], dL/dKyl[r, :, jy] = G U[r]^T, dL/dU[r] = sum_iy Kyl[r, iy, jy]
+ * G[iy], dL/dK^x += dL/dU V[jy]^T, dL/dV[jy] = K^x^T dL/dU (G and U read as (Gh, Gw dh) and (R, Gw dh)). Values and
+ * gradients as in ssog_mix_grad_*; g_kyl (B, H, R, Gh, Gh) and g_kx (B, H, R, Gw, Gw) are written per image (the
+ * caller sums them, so that the result does not depend on the number of threads). `work`:
+ * ssog_fixed_grad_work(...) numbers per thread. */
+int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 3 * gh * gw * dh + 2 * r * gw * dh;
+}
+
+#define SSOG_FIXED_GRAD(NAME, GEMM, GEMM_NT, T)                                                                   \
+    void NAME(const T *v, const T *g, T *gv, const T *kyl, const T *kx, T *g_kyl, T *g_kx, T *work,               \
+              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st, int64_t gv_sb,   \
+              int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {           \
+        int64_t n = gh * gw, units = b * heads, size = ssog_fixed_grad_work(gh, gw, r, dh), rg = r * gw;          \
+        int64_t row = gw * dh, macs = n * r * (3 * gw + 2 * gh) * dh;                                             \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PARALLEL_ENTRIES)")       \
+        for (int64_t unit = 0; unit < units; ++unit) {                                                            \
+            int64_t bi = unit / heads, h = unit % heads;                                                          \
+            T *vr = work + omp_get_thread_num() * size, *gr = vr + n * dh, *gvr = gr + n * dh;                    \
+            T *u = gvr + n * dh, *gu = u + rg * dh;                                                               \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;             \
+            for (int64_t t = 0; t < n; ++t) { /* the head's values and output gradient, in raster order */       \
+                memcpy(vr + t * dh, vb + t * v_st, sizeof(T) * dh);                                               \
+                memcpy(gr + t * dh, gb + t * g_st, sizeof(T) * dh);                                               \
+            }                                                                                                     \
+            const T *kyl_h = kyl + h * r * gh * gh, *kx_h = kx + h * rg * gw;                                     \
+            T *gkyl = g_kyl + unit * r * gh * gh, *gkx = g_kx + unit * rg * gw;                                   \
+            for (int64_t jy = 0; jy < gh; ++jy) {                                                                 \
+                const T *vj = vr + jy * row;                                                                      \
+                GEMM(u, dh, kx_h, gw, 1, vj, dh, rg, gw, dh, 0);                 /* U = K^x V[jy] (R Gw, dh) */   \
+                GEMM_NT(gkyl + jy, gh, gh * gh, gr, row, u, row, gh, r, row, 0); /* dL/dKyl[:, :, jy] */          \
+                GEMM(gu, row, kyl_h + jy, gh * gh, gh, gr, row, r, gh, row, 0); /* dL/dU (R, Gw dh) */            \
+                GEMM_NT(gkx, gw, 1, gu, dh, vj, dh, rg, gw, dh, jy > 0);         /* dL/dK^x (R Gw, Gw) */         \
+                GEMM(gvr + jy * row, dh, kx_h, 1, gw, gu, dh, gw, rg, dh, 0);   /* dL/dV[jy] (Gw, dh) */          \
+            }                                                                                                     \
+            T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                         \
+            for (int64_t t = 0; t < n; ++t)                                                                       \
+                memcpy(ob + t * gv_st, gvr + t * dh, sizeof(T) * dh);                                             \
+        }                                                                                                         \
+    }
+
+SSOG_QUERY_ROWS(query_rows_f32, float, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
+SSOG_QUERY_ROWS(query_rows_f64, double, exp, DBL_MAX, DBL_MIN, -708.3964) /* log(DBL_MIN) */
+SSOG_GEMM(gemm_f32, float, f32_vec)
+SSOG_GEMM(gemm_f64, double, f64_vec)
+SSOG_GEMM_NT(gemm_nt_f32, float, f32_vec)
+SSOG_GEMM_NT(gemm_nt_f64, double, f64_vec)
 SSOG_ROW_GRAD(row_grad_f32, float)
 SSOG_ROW_GRAD(row_grad_f64, double)
-SSOG_ROWS(ssog_rows_f32, query_rows_f32, float)
-SSOG_ROWS(ssog_rows_f64, query_rows_f64, double)
 SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
 SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
 SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_nt_f32, row_grad_f32, float, FLT_MIN)
 SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_nt_f64, row_grad_f64, double, DBL_MIN)
+SSOG_FIXED_GRAD(ssog_fixed_grad_f32, gemm_f32, gemm_nt_f32, float)
+SSOG_FIXED_GRAD(ssog_fixed_grad_f64, gemm_f64, gemm_nt_f64, double)
