@@ -221,10 +221,23 @@ def flush_tiny_product(k: Tensor) -> Tensor:
     """``flush_tiny`` for a fresh product of (non-negative) kernels and mixture weights: lambda < 1 can push a normal
     tail entry below the smallest normal number again. The gradient passes through unchanged (the flushed values are
     below 1e-38, the gradient at them is not), so the result's gradients match the unflushed product's exactly."""
-    tiny = torch.finfo(k.dtype).tiny
-    if (torch.is_grad_enabled() and k.requires_grad) or functional_only():
-        return k - k.masked_fill(k > tiny, 0.0).detach()
-    return F.threshold_(k, tiny, 0.0)
+    if functional_only():
+        return k.masked_fill(k <= torch.finfo(k.dtype).tiny, 0.0)
+    if torch.is_grad_enabled() and k.requires_grad:
+        return _FlushPassingGradient.apply(k)
+    return F.threshold_(k, torch.finfo(k.dtype).tiny, 0.0)
+
+
+class _FlushPassingGradient(torch.autograd.Function):
+    """``flush_tiny`` whose gradient is the identity's (one table, and infinities flushed as in inference)."""
+
+    @staticmethod
+    def forward(ctx, k: Tensor) -> Tensor:
+        return F.threshold(k, torch.finfo(k.dtype).tiny, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
 
 
 def gaussian_rows(delta: Tensor, mu: Tensor, scale: Tensor, *, inplace: bool | None = None) -> Tensor:

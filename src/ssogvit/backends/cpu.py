@@ -178,20 +178,32 @@ def _grid(ky: Tensor, kx: Tensor) -> tuple[int, int]:
     return ky.shape[-1], kx.shape[-1]
 
 
+def _fixed_into(out: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+    grid = _grid(ky, kx)
+    tables = _fixed_tables(ky, kx, lam)
+    if any(torch.isinf(t).any() for t in tables):  # where two infinities of both signs meet depends on the order of
+        out.copy_(core.mix_fixed(values, grid, ky, kx, lam))  # the passes: the torch backend's, the x-pass first
+        return
+    _mix_into(out, values, grid, *lam.shape, fixed=tables)
+
+
 @torch.library.custom_op("ssogvit::cpu_fixed_mix", mutates_args=(), device_types="cpu")
 def _fixed_mix(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
     """``core.mix_fixed`` by the kernel: values ``(B, P + N, D)``, ky ``(H, R, Gh, Gh)``, kx ``(H, R, Gw, Gw)``,
     lam ``(H, R)``."""
     values = _rows(values)
     out = torch.empty_like(values)
-    _mix_into(out, values, _grid(ky, kx), *lam.shape, fixed=_fixed_tables(ky, kx, lam))
+    _fixed_into(out, values, ky, kx, lam)
     return out
 
 
 @torch.library.custom_op("ssogvit::cpu_fixed_mix_", mutates_args=("values",), device_types="cpu")
 def _fixed_mix_(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
     """``cpu_fixed_mix`` written over the values (inference: one activation-sized buffer less)."""
-    _mix_into(values, values, _grid(ky, kx), *lam.shape, fixed=_fixed_tables(ky, kx, lam))
+    if values.stride(-1) != 1:
+        values.copy_(_fixed_mix(values, ky, kx, lam))
+        return
+    _fixed_into(values, values, ky, kx, lam)
 
 
 @torch.library.custom_op("ssogvit::cpu_fixed_mix_backward", mutates_args=(), device_types="cpu")
@@ -227,6 +239,9 @@ def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int
 @torch.library.custom_op("ssogvit::cpu_steered_mix_", mutates_args=("values",), device_types="cpu")
 def _steered_mix_(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int) -> None:
     """``cpu_steered_mix`` written over the values."""
+    if values.stride(-1) != 1:
+        values.copy_(_steered_mix(values, mu, scale, lam, gh, gw))
+        return
     _mix_into(values, values, (gh, gw), *mu.shape[2:4],
               steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
 
