@@ -25,6 +25,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from ssogvit import core
+
 from ._common import add_prefix_grad, head_grads, tf32_enabled, write_prefix_pool
 
 __all__ = ["OVERRIDE", "fits", "fixed_mix", "fixed_mix_backward", "launch_mix", "shared_bytes"]
@@ -231,7 +233,7 @@ def fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam
     add_prefix_grad(g_values, grad, p)
     kdt = torch.float64 if values.dtype == torch.float64 else torch.float32  # half-precision kernels: fp32 grads
     ky_k, lam_k = ky.to(kdt), lam.to(kdt)
-    kyl = ky_k * lam_k[:, :, None, None]
+    kyl = core.flush_tiny_product(ky_k * lam_k[:, :, None, None])  # the forward's factor, as the torch backend's
     kx_stack = kx.to(values.dtype).reshape(h, r * gw, gw)
     ky_fold = kyl.to(values.dtype).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # columns (jy, r)
     vp, gp = values[:, p:].reshape(b, gh, gw, h, dh), grad[:, p:].reshape(b, gh, gw, h, dh)
