@@ -11,7 +11,7 @@ einsum path's, which autograd can differentiate again.
 from __future__ import annotations
 
 import functools
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -301,14 +301,15 @@ class _SteeredMix(torch.autograd.Function):
         return grads[0], None, None, None, None, *grads[1:]
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")]
+def _autocast_state() -> tuple[bool, torch.dtype, bool, torch.dtype]:
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"))
 
 
 @contextmanager
-def _autocast(state: list[tuple[str, bool, torch.dtype]]):
+def _autocast(state: tuple[bool, torch.dtype, bool, torch.dtype]):
     """Autocast as it was in the forward (backward runs outside the caller's ``torch.autocast`` block)."""
-    with ExitStack() as stack:
-        for dev, enabled, dtype in state:
-            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+    cpu_on, cpu_dtype, cuda_on, cuda_dtype = state
+    with torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_on), torch.autocast("cuda", dtype=cuda_dtype,
+                                                                                 enabled=cuda_on):
         yield

@@ -192,7 +192,7 @@ def _fixed_mix(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
     """``core.mix_fixed`` by the kernel: values ``(B, P + N, D)``, ky ``(H, R, Gh, Gh)``, kx ``(H, R, Gw, Gw)``,
     lam ``(H, R)``."""
     values = _rows(values)
-    out = torch.empty_like(values)
+    out = values.new_empty(values.shape)
     _fixed_into(out, values, ky, kx, lam)
     return out
 
@@ -215,7 +215,7 @@ def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, la
     kyl = core.flush_tiny_product(ky * lam[:, :, None, None]).contiguous()
     threads = _threads(b * h)
     work = _work("ssog_fixed_grad", threads, gh, gw, r, d // h, values.dtype)
-    g_values = torch.zeros_like(values)
+    g_values = values.new_zeros(values.shape)
     g_kyl, g_kx = values.new_empty(b, h, r, gh, gh), values.new_empty(b, h, r, gw, gw)  # per image, summed below
     getattr(_library(), f"ssog_fixed_grad_{_SUFFIX[values.dtype]}")(
         *(x.data_ptr() for x in (values, grad, g_values, kyl, kx.contiguous(), g_kyl, g_kx, work)), threads, b,
@@ -231,7 +231,7 @@ def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int
     """``core.mix_steered`` by the kernel: values ``(B, P + N, D)``, mu and scale ``(B, N, H, R, 2)``, lam
     ``(B, N, H, R)``, the grid ``(gh, gw)``."""
     values = _rows(values)
-    out = torch.empty_like(values)
+    out = values.new_empty(values.shape)
     _mix_into(out, values, (gh, gw), *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
     return out
 
@@ -254,8 +254,8 @@ def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tenso
     (b, t, d), (h, r) = values.shape, mu.shape[2:4]
     threads = _threads(b * h)
     work = _work("ssog_mix_grad", threads, gh, gw, r, d // h, values.dtype)
-    g_values = torch.zeros_like(values)
-    g_mu, g_scale, g_lam = torch.empty_like(mu), torch.empty_like(scale), torch.empty_like(lam)
+    g_values = values.new_zeros(values.shape)
+    g_mu, g_scale, g_lam = (t.new_empty(t.shape) for t in (mu, scale, lam))
     getattr(_library(), f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
         *(x.data_ptr() for x in (values, grad, g_values, mu, scale, lam, g_mu, g_scale, g_lam, work)), threads, b,
         values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
@@ -264,9 +264,15 @@ def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tenso
     return g_values, g_mu, g_scale, g_lam
 
 
+def _new(*tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """Fresh contiguous tensors shaped as ``tensors``: what the ops return, for their fake implementations."""
+    out = tuple(t.new_empty(t.shape) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
 @_fixed_mix.register_fake
 def _(values, ky, kx, lam):
-    return torch.empty_like(values)
+    return _new(values)
 
 
 @_fixed_mix_.register_fake
@@ -276,12 +282,12 @@ def _(values, ky, kx, lam):
 
 @_fixed_mix_backward.register_fake
 def _(grad, values, ky, kx, lam):
-    return torch.empty_like(values), torch.empty_like(ky), torch.empty_like(kx), torch.empty_like(lam)
+    return _new(values, ky, kx, lam)
 
 
 @_steered_mix.register_fake
 def _(values, mu, scale, lam, gh, gw):
-    return torch.empty_like(values)
+    return _new(values)
 
 
 @_steered_mix_.register_fake
@@ -291,7 +297,7 @@ def _(values, mu, scale, lam, gh, gw):
 
 @_steered_mix_backward.register_fake
 def _(grad, values, mu, scale, lam, gh, gw):
-    return torch.empty_like(values), torch.empty_like(mu), torch.empty_like(scale), torch.empty_like(lam)
+    return _new(values, mu, scale, lam)
 
 
 def _save_inputs(ctx, inputs, output) -> None:
