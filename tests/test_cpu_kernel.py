@@ -279,7 +279,8 @@ with warnings.catch_warnings(record=True) as caught:
     used = cpu.available()
     cpu.available()
     g = torch.Generator().manual_seed(0)
-    v, mu, sigma = torch.randn(1, 13, 4, generator=g), torch.randn(1, 12, 2, 2, 2, generator=g), torch.rand(1, 12, 2, 2, 2, generator=g) + 0.3
+    v, mu = torch.randn(1, 13, 4, generator=g), torch.randn(1, 12, 2, 2, 2, generator=g)
+    sigma = torch.rand(1, 12, 2, 2, 2, generator=g) + 0.3
     with torch.no_grad():
         y = ops.ssog_mix_steered(v, (3, 4), mu, sigma, torch.full((1, 12, 2, 2), 0.5), torch.tensor(1.0))
 print(json.dumps({"used": used, "warnings": [str(w.message) for w in caught], "y": y.flatten().tolist(),

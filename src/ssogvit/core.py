@@ -143,7 +143,8 @@ def steered_geometry(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token geometry of steered SSoG (docs/operator.md, "Steering geometry"):
     ``mu_n = mu + s_mu M tanh(a_mu)``, ``sigma_n = sigma exp(s_sigma tanh(a_sigma))``,
-    ``lambda_n = softmax(ell + s_lambda tanh(a_lambda))`` for token ``n``; a path without a residual keeps the fixed field.
+    ``lambda_n = softmax(ell + s_lambda tanh(a_lambda))`` for token ``n``; a path without a residual keeps the fixed
+    field.
 
     Args:
         mu: fixed centres ``(H, R, 2)``, or already broadcast to ``(B, N, H, R, 2)``.
@@ -314,8 +315,8 @@ def gaussian_rows_grad(rows: Tensor, d: Tensor, scale: Tensor, g_rows: Tensor, *
 
 
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
-    """Row-softmax Gaussian kernels along one grid axis: ``K[..., i, j] = softmax_j( -(j - i - mu)^2 / (2 sigma^2 tau) )``
-    over the ``length`` positions inside the grid.
+    """Row-softmax Gaussian kernels along one grid axis,
+    ``K[..., i, j] = softmax_j( -(j - i - mu)^2 / (2 sigma^2 tau) )`` over the ``length`` positions inside the grid.
 
     Args:
         length: axis length ``L`` (``Gh`` or ``Gw``).

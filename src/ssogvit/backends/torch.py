@@ -242,7 +242,8 @@ def steered_forward(values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Te
                     inplace: bool = False, head_chunk: int | None = None) -> Tensor:
     """``ssogvit.ops.ssog_mix_steered`` (arguments checked there): one batch slice (``batch_slices``) and head chunk
     (``head_chunk`` heads; ``None``: all) at a time, written into a new buffer, or with ``inplace`` over the values
-    (each chunk's values are read for the last time before its result is written), prefix rows first. ``mu`` and ``scale`` ``(B, N, H, R, 2)``, ``lam`` ``(B, N, H, R)``."""
+    (each chunk's values are read for the last time before its result is written), prefix rows first. ``mu`` and
+    ``scale`` ``(B, N, H, R, 2)``, ``lam`` ``(B, N, H, R)``."""
     out = values if inplace else torch.empty_like(values)
     write_prefix_pool(out, values, values.shape[1] - grid[0] * grid[1])
     heads, atoms = mu.shape[2:4]

@@ -125,7 +125,8 @@ def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str
     kernel's dots are plain FMAs that spill registers); float64 and the CPU stay on the other backends."""
     if kind != "fixed":
         return "there is no Triton kernel for the steered mixing (impl='cpu', 'stacked' or 'auto' mix it)"
-    if auto and (not values.is_cuda or values.dtype == torch.float64 or (values.dtype == torch.float32 and not _tf32())):
+    if auto and (not values.is_cuda or values.dtype == torch.float64
+                 or (values.dtype == torch.float32 and not _tf32())):
         return "impl='auto' takes the Triton kernel for CUDA float16 and bfloat16, and float32 with TF32 on"
     if not triton_usable(values):
         if not triton_available():
