@@ -1,18 +1,40 @@
 """How a command reports its user's mistakes: `UsageError` and the other user errors end in one or two lines naming
-the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`)."""
+the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`). `Interrupted` is how
+SIGINT and SIGTERM end a command: one line, exit status 128 + the signal's number."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-__all__ = ["DEBUG_ENV", "UsageError", "debug_enabled", "format_error", "report_errors", "user_errors"]
+from ssogvit.inputs import InputError
+
+__all__ = ["DEBUG_ENV", "Interrupted", "UsageError", "debug_enabled", "format_error", "report_errors", "user_errors"]
 
 DEBUG_ENV = "SSOGVIT_DEBUG"
 
 
 class UsageError(Exception):
     """Bad input to a command (a file it cannot use, an option it does not take); the message names the fix."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM (what SLURM and `kill` send) stopped a command.
+
+    Attributes:
+        signum: the signal's number.
+        detail: what the command left behind and how to go on (`last.ckpt resumes the run ...`), or empty.
+    """
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        super().__init__(signum, detail)
+        self.signum = signum
+        self.detail = detail
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"stopped by {name}" + (f"; {self.detail}" if self.detail else "")
 
 
 def debug_enabled() -> bool:
@@ -28,7 +50,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from ssogvit.data import DataError
     from ssogvit.train.errors import TrainError
 
-    return TrainError, DataError, UsageError, HydraException, OmegaConfBaseException
+    return TrainError, DataError, UsageError, InputError, HydraException, OmegaConfBaseException
 
 
 def format_error(prog: str, err: BaseException) -> str:
