@@ -54,6 +54,18 @@ static inline void ftz_leave(unsigned csr) {
  * library links the libgomp that PyTorch has already loaded, so torch.set_num_threads applies). */
 #define PARALLEL_ENTRIES 32768
 
+/* The loop over the (image, head) units of a kernel: split between `threads` OpenMP threads where a unit's `macs` are
+ * many enough, dynamically (units differ in cost), each thread flushing denormal results while it works. */
+#define SSOG_UNITS_BEGIN                                                                                              \
+    _Pragma("omp parallel num_threads(threads) if (macs >= PARALLEL_ENTRIES)") {                                      \
+        unsigned csr = ftz_enter();                                                                                   \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
+        for (int64_t unit = 0; unit < units; ++unit) {
+#define SSOG_UNITS_END                                                                                                \
+        }                                                                                                             \
+        ftz_leave(csr);                                                                                               \
+    }
+
 /* The R rows of `count` queries, rows n long, one query after the other in `o`: query c has the index qi + c * dq,
  * its rows' mu and s start at c * qs and lie `es` elements apart, and its weights lam (if any) start at c * lqs. */
 #define SSOG_QUERY_ROWS(NAME, T, EXP, HUGE, TINY, LOW)                                                                \
@@ -175,10 +187,7 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
               int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {                                         \
         int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                                  \
         int64_t macs = n * r * (gh + gw) * dh; /* per unit: units this large go to the threads */                     \
-        _Pragma("omp parallel num_threads(threads) if (macs >= PARALLEL_ENTRIES)") {                                  \
-        unsigned csr = ftz_enter();                                                                                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
-        for (int64_t unit = 0; unit < units; ++unit) {                                                                \
+        SSOG_UNITS_BEGIN                                                                                              \
             int64_t bi = unit / heads, h = unit % heads;                                                              \
             /* the head's values column by column (each column pass reads one column, contiguous), its result,        \
                U[ri, k] for one row of queries, and that row's tables */                                              \
@@ -206,9 +215,7 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             T *ob = out + bi * o_sb + p * o_st + h * dh;                                                              \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(ob + t * o_st, mixed + t * dh, sizeof(T) * dh);                                                \
-        }                                                                                                             \
-        ftz_leave(csr);                                                                                               \
-        }                                                                                                             \
+        SSOG_UNITS_END                                                                                                \
     }
 
 /* c[i ldc + j cs] (+)= sum_d a[i lda + d] b[j ldb + d] for i < m, j < nn, d < kk (long: the fixed backward's
@@ -319,10 +326,7 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
               int64_t dh) {                                                                                           \
         int64_t n = gh * gw, units = b * heads, size = ssog_mix_grad_work(gh, gw, r, dh), rg = r * gw;                \
         int64_t macs = 3 * n * r * (gh + gw) * dh;                                                                    \
-        _Pragma("omp parallel num_threads(threads) if (macs >= PARALLEL_ENTRIES)") {                                  \
-        unsigned csr = ftz_enter();                                                                                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
-        for (int64_t unit = 0; unit < units; ++unit) {                                                                \
+        SSOG_UNITS_BEGIN                                                                                              \
             int64_t bi = unit / heads, h = unit % heads;                                                              \
             T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *u = gcols + n * dh;                \
             T *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh, *gky = ky + rg * gh, *kx = gky + rg * gh;    \
@@ -372,9 +376,7 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                             \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(ob + t * gv_st, gcols + (t % gw * gh + t / gw) * dh, sizeof(T) * dh);                          \
-        }                                                                                                             \
-        ftz_leave(csr);                                                                                               \
-        }                                                                                                             \
+        SSOG_UNITS_END                                                                                                \
     }
 
 /* Gradients of the fixed mixing (docs/operator.md, "Backward"), one (image, head) at a time and, within it, one source
@@ -394,10 +396,7 @@ int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
               int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {               \
         int64_t n = gh * gw, units = b * heads, size = ssog_fixed_grad_work(gh, gw, r, dh), rg = r * gw;              \
         int64_t row = gw * dh, macs = n * r * (3 * gw + 2 * gh) * dh;                                                 \
-        _Pragma("omp parallel num_threads(threads) if (macs >= PARALLEL_ENTRIES)") {                                  \
-        unsigned csr = ftz_enter();                                                                                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
-        for (int64_t unit = 0; unit < units; ++unit) {                                                                \
+        SSOG_UNITS_BEGIN                                                                                              \
             int64_t bi = unit / heads, h = unit % heads;                                                              \
             T *vr = work + omp_get_thread_num() * size, *gr = vr + n * dh, *gvr = gr + n * dh;                        \
             T *u = gvr + n * dh, *gu = u + rg * dh, *scratch = gu + rg * dh;                                          \
@@ -419,9 +418,7 @@ int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                             \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(ob + t * gv_st, gvr + t * dh, sizeof(T) * dh);                                                 \
-        }                                                                                                             \
-        ftz_leave(csr);                                                                                               \
-        }                                                                                                             \
+        SSOG_UNITS_END                                                                                                \
     }
 
 SSOG_QUERY_ROWS(query_rows_f32, float, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
