@@ -344,7 +344,7 @@ def test_export_cli_writes_the_file_and_prints_its_parity(tmp_path):
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
     bad = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(tmp_path / "nope.ckpt"),
                           "--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
-    assert bad.returncode == 2 and "cannot load" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "nope.ckpt does not exist" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_export_cli_fails_with_exit_2_when_parity_is_worse_than_the_tolerance(tmp_path, monkeypatch, capsys):
@@ -355,6 +355,9 @@ def test_export_cli_fails_with_exit_2_when_parity_is_worse_than_the_tolerance(tm
     monkeypatch.setattr(ssogvit.export, "parity", lambda *a, **k: 6.0)  # what the old TorchScript export measured
     assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "torchscript"]) == 2
     err = capsys.readouterr().err
-    assert "6.000e+00 is worse than the tolerance 1e-04" in err and (tmp_path / "model.pt").is_file()
-    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "onnx", "--tolerance", "-1"]) == 2
-    assert "--tolerance must be >= 0" in capsys.readouterr().err
+    assert "6.000e+00 is worse than the tolerance 1e-04" in err and "was not written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.safetensors"]  # no file, no temporary
+    with pytest.raises(SystemExit) as exit_:
+        ssogvit.export.main(["--ckpt", str(ckpt), "--format", "onnx", "--tolerance", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --tolerance: expected a number >= 0, got '-1'" in capsys.readouterr().err
