@@ -584,7 +584,7 @@ def test_steered_batch_slices_give_the_same_mixing_and_gradients(monkeypatch):
 def test_steered_layer_training_keeps_no_per_token_geometry():
     """The steered layer's training step keeps for backward what the fixed one keeps (its values and the mixed
     output, besides the input, which the value projection keeps anyway): the per-token geometry and the steering
-    maps' outputs are recomputed in backward (``ops.ssog_mix_steered_from``), not kept (5 H R numbers per token and
+    maps' outputs are recomputed in backward (``ops.ssog_mix_steered_by_tokens``), not kept (5 H R numbers per token and
     their intermediates through tanh, exp and softmax). Gradients still match the unsaved dense reference."""
     dim, heads, atoms, grid = 48, 4, 4, (8, 8)
     kept = {}

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("operator", help="one mixer alone against attention at each resolution's token count")
     o.add_argument("--mixers", nargs="+", default=["torch-mha", "mha", "ssog"],
-                   help="mixer names, options after a colon: ssog:impl=loop,num_atoms=4 (torch-mha: "
+                   help="mixer names, options after a colon: ssog:impl=einsum,num_atoms=4 (torch-mha: "
                         "torch.nn.MultiheadAttention)")
     o.add_argument("--impls", nargs="+", default=None,
                    help="run each SSoG mixer once per implementation ('all': every one in SSOG_IMPLS)")
