@@ -298,6 +298,12 @@ def bench(rec: Recorder, device, resolutions, batch, warmup, iters):
 
     for res in resolutions:
         rec.guarded("timing", f"{res} px", lambda res=res: bench_resolution(add, device, res, batch, warmup, iters))
+        from torch._dynamo.utils import counters  # the compiled mixers so far: graphs (one per shape and mode), breaks
+
+        rec(section="compile", res=res, unique_graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=dict(counters["graph_break"]))
+        print(f"   compiled so far: {counters['stats']['unique_graphs']} graphs, graph breaks "
+              f"{dict(counters['graph_break']) or 'none'}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -386,10 +392,6 @@ def bench_resolution(add, device, res, batch, warmup, iters):
         ms = cuda_time(fwd_bwd, warmup, iters)
         add(res=res, tokens=t, what="mixer", name=name, pass_="fwd+bwd", ms=ms, mib=peak_mib(fwd_bwd),
             first_call_s=compile_s)
-    from torch._dynamo.utils import counters
-
-    rec(section="compile", res=res, unique_graphs=counters["stats"]["unique_graphs"],
-        graph_breaks=dict(counters["graph_break"]))
 
 
 def first_call_s(fn) -> float:

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssogvit import core, ops, reference
