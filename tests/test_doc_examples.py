@@ -3,8 +3,9 @@
 Kinds, and the form each runs in (docs/DEVELOPING.md, "Examples in the docs"):
 
 - `train`, `transfer`, `convert` (commands that run a Hydra config): their `--cfg job` form (the composed config is
-  printed, nothing is trained), a `...` (the rest of a command line) left out; a sweep (`-m`) runs as its first point, each sweep value replaced by its first
-  choice (`a,b` -> `a`, `glob(p*)` -> the first experiment matching `p*`), since Hydra refuses `-m` with `--cfg`.
+  printed, nothing is trained), a `...` (the rest of a command line) left out; a sweep (`-m`) runs as its first
+  point, each sweep value replaced by its first choice (`a,b` -> `a`, `glob(p*)` -> the first experiment matching
+  `p*`), since Hydra refuses `-m` with `--cfg`.
 - `list`, `--help` and override fragments of `ssogvit train --help`: as written (fragments: each with `--cfg job`).
 - `main`: its short form, one epoch of one seed, two batches (`--epochs 1 --seeds 0 trainer.limit_train_batches=2
   trainer.limit_val_batches=1`).

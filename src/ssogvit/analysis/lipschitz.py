@@ -239,8 +239,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 def _log_axis(axis) -> None:
     """Make `axis` logarithmic with labelled ticks at 1, 2, 3, 5 times each power of ten inside its range (more
-    inside a single decade, thinned to 1, 2, 5 when there are many), written as plain numbers: a range inside one decade would otherwise carry one or
-    two labels. Call it after plotting (it reads the axis's range)."""
+    inside a single decade, thinned to 1, 2, 5 when there are many), written as plain numbers: a range inside one
+    decade would otherwise carry one or two labels. Call it after plotting (it reads the axis's range)."""
     import math
 
     from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, StrMethodFormatter

@@ -2,8 +2,8 @@
 
 What it trains is data, `ssogvit/conf/main.yaml` (the plan): experiments `digits8_vit_<mixer>`
 (ssogvit/conf/experiment/), each with its own head (the one that suits the mixer: mean-pooled for SSoG, class token
-for MHA, docs/models.md) and the heads the plan lists, each (experiment, head) with every seed of the plan. The runs are independent processes of a stdlib `multiprocessing` pool
-(`--jobs`, one torch thread each by default); each run is written to `<out>/<mixer>/<head>/seed<N>/` (checkpoints/,
+for MHA, docs/models.md) and the heads the plan lists, each (experiment, head) with every seed of the plan. The runs
+are independent processes of a stdlib `multiprocessing` pool (`--jobs`, one torch thread each by default); each run is written to `<out>/<mixer>/<head>/seed<N>/` (checkpoints/,
 logs/, tb/, export/, config.yaml) and the training curves to `<out>/curves.png`. `<out>` is always a fresh folder: when
 `--out` (or the default `runs/main/<date-time>`) already holds a run, `<out>-2`, `<out>-3`, ...
 
@@ -202,7 +202,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mixers", default=None, help="only these mixers, comma-separated (ssog, ssog-steered, mha)")
     parser.add_argument("--heads", default=None, help="every experiment with these heads, comma-separated: avg (mean "
                         "of the patch tokens), token (class token); default the plan's")
-    parser.add_argument("--seeds", type=Ints(item=SEED).argparse, default=None, help="comma-separated seeds (default the plan's: 0,1,2)")
+    parser.add_argument("--seeds", type=Ints(item=SEED).argparse, default=None,
+                        help="comma-separated seeds (default the plan's: 0,1,2)")
     parser.add_argument("--jobs", type=at_least_one, default=2, help="runs trained at once, each in its own process "
                         "(default 2)")
     parser.add_argument("--threads", type=at_least_one, default=1,
