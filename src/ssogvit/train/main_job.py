@@ -5,7 +5,8 @@ What it trains is data, `ssogvit/conf/main.yaml` (the plan): experiments `digits
 for MHA, docs/models.md) and the heads the plan lists, each (experiment, head) with every seed of the plan. The runs
 are independent processes of a stdlib `multiprocessing` pool (`--jobs`, one torch thread each by default); each run
 is written to `<out>/<mixer>/<head>/seed<N>/` (checkpoints/, logs/, tb/, export/, config.yaml) and the training
-curves to `<out>/curves.png`. `<out>` is always a fresh folder: when `--out` (or the default `runs/main/<date-time>`) already holds a run, `<out>-2`, `<out>-3`, ...
+curves to `<out>/curves.png`. `<out>` is always a fresh folder: when `--out` (or the default
+`runs/main/<date-time>`) already holds a run, `<out>-2`, `<out>-3`, ...
 
 The job exits with status 1 when SSoG misses the plan's target (docs/training.md says why this target).
 """
