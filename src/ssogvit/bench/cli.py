@@ -67,6 +67,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="CPU peak memory: bytes PyTorch's allocator hands out (default; repeatable between "
                         "processes), the resident set, or both (peak_mib is then the allocator's)")
     p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each point's forward (the first warm-up call, which compiles, is compile_s)")
     p.add_argument("--launcher", default="forkserver", choices=["forkserver", "spawn"],
                    help="multiprocessing start method of each point's process: forked from a server that has "
                         "imported torch and ssogvit (default; fast), or a new interpreter")
@@ -91,7 +93,7 @@ def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return dict(
         warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=_dtype(args.dtype, device),
         mode=args.mode, threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
-        memory=args.memory, flush_denormal=args.flush_denormal,
+        memory=args.memory, flush_denormal=args.flush_denormal, compile=args.compile,
     )
 
 
@@ -111,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("operator", help="one mixer alone against attention at each resolution's token count")
     o.add_argument("--mixers", nargs="+", default=["torch-mha", "mha", "ssog"],
-                   help="mixer names, options after a colon: ssog:impl=loop,num_atoms=4 (torch-mha: "
+                   help="mixer names, options after a colon: ssog:impl=einsum,num_atoms=4 (torch-mha: "
                         "torch.nn.MultiheadAttention)")
     o.add_argument("--impls", nargs="+", default=None,
                    help="run each SSoG mixer once per implementation ('all': every one in SSOG_IMPLS)")

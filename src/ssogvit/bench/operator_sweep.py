@@ -1,7 +1,7 @@
 """One mixer alone against attention at the token counts of each resolution (paper Table 3).
 
 Mixers are named as for ``create_mixer`` (``"mha"``, ``"mha-unfused"``, ``"ssog"``, ``"ssog-steered"``), plus
-``"torch-mha"`` for ``torch.nn.MultiheadAttention``; options follow a colon, ``"ssog:impl=loop,num_atoms=8"``.
+``"torch-mha"`` for ``torch.nn.MultiheadAttention``; options follow a colon, ``"ssog:impl=einsum,num_atoms=8"``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _value(text: str) -> Any:
 
 
 def parse_mixer(text: str) -> tuple[str, dict[str, Any], str]:
-    """``"ssog:impl=loop,num_atoms=8"`` -> ``("ssog", {"impl": "loop", "num_atoms": 8}, label)``."""
+    """``"ssog:impl=einsum,num_atoms=8"`` -> ``("ssog", {"impl": "einsum", "num_atoms": 8}, label)``."""
     name, _, rest = text.partition(":")
     options: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
