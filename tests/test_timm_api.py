@@ -63,18 +63,18 @@ def test_timm_vit_api(family, mixer):
 
 
 def test_blocks_take_timm_calls_and_refuse_what_they_cannot_do():
-    from ssogvit.models import Block, GridContext
+    from ssogvit.models import Block
 
     with pytest.raises(ValueError, match="qk_norm"):
-        Block(16, 2, mixer="ssog", context=GridContext(1), qk_norm=True)
-    block = Block(16, 2, mixer="ssog", context=GridContext(1))
+        Block(16, 2, mixer="ssog", num_prefix_tokens=1, qk_norm=True)
+    block = Block(16, 2, mixer="ssog", num_prefix_tokens=1)
     z = torch.randn(1, 1 + 6, 16)
-    with pytest.raises(ValueError, match="no patch grid"):
-        block(z)  # outside a model's forward nothing has set the grid
-    block.context.grid = (2, 3)
-    assert block(z).shape == z.shape  # a tensor, like timm's Block
+    with pytest.raises(ValueError, match=r"needs the patch grid of its tokens: call block\(z, grid="):
+        block(z)  # timm's call without the grid
+    assert block(z, (2, 3)).shape == z.shape  # a tensor, like timm's Block
+    assert block(z, grid=(3, 2)).shape == z.shape
     with pytest.raises(ValueError, match="no attention mask"):
-        block(z, attn_mask=torch.ones(7, 7, dtype=torch.bool))
+        block(z, (2, 3), attn_mask=torch.ones(7, 7, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,7 +104,7 @@ def test_forward_intermediates_are_block_applications(family, mixer):
         z, grid = model.embed(x)
         assert grid == (5, 4)
         for k, step in enumerate(model.blocks):
-            z = step(z)
+            z = step(z, grid)
             patches, prefix = inter[k]
             torch.testing.assert_close(torch.cat([prefix, patches], 1), z, rtol=0, atol=1e-6)
         maps = model.forward_intermediates(x, indices=[0, 2], norm=True, intermediates_only=True)
@@ -127,10 +127,10 @@ def test_a_looped_intermediate_is_an_iteration_and_an_ode_one_a_grid_step():
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         inter = ode.forward_intermediates(x, output_fmt="NLC", return_prefix_tokens=True, intermediates_only=True)
-        z, _ = ode.embed(x)
+        z, grid = ode.embed(x)
         block = ode.blocks.block
         for k in range(4):  # Euler on t_k = k / 4 with scale 4: z <- z + (1/4) * 4 * f(z)
-            z = z + 0.25 * ode.scale * block.vector_field(z)
+            z = z + 0.25 * ode.scale * block.vector_field(z, grid)
             torch.testing.assert_close(torch.cat(inter[k][::-1], 1), z, rtol=0, atol=1e-12)
     assert ode.nfe == 4
 
@@ -144,9 +144,9 @@ def test_stepped_ode_solve_equals_torchdiffeq_odeint(solver):
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         out = model.forward_features(x, pre_norm=True)
-        z, _ = model.embed(x)
+        z, grid = model.embed(x)
         block = model.blocks.block
-        path = odeint(lambda t, y: model.scale * block.vector_field(y), z, model.time_grid(z), method=solver)
+        path = odeint(lambda t, y: model.scale * block.vector_field(y, grid), z, model.time_grid(z), method=solver)
     torch.testing.assert_close(out, path[-1], rtol=0, atol=1e-12)
 
 
@@ -207,6 +207,65 @@ def test_grad_checkpointing_saves_activations_and_keeps_gradients(family, mixer)
     assert grads.keys() == grads_ckpt.keys()
     for k, g in grads.items():
         torch.testing.assert_close(grads_ckpt[k], g, rtol=1e-5, atol=1e-7, msg=k)
+
+
+def _two_grid_gradients(model, checkpointing, forward=None):
+    """Gradients of one backward through two forwards at the grids (8, 12) and (12, 8) (patch 8), as in multi-crop
+    training: the two grids have the same number of tokens, so only the grid tells them apart."""
+    torch.manual_seed(1)
+    a, b = torch.randn(2, 3, 64, 96), torch.randn(2, 3, 96, 64)
+    forward = forward or model
+    model.zero_grad()
+    model.set_grad_checkpointing(checkpointing)
+    (forward(a).square().sum() + forward(b).square().sum()).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_gradients(got, want):
+    assert got.keys() == want.keys() and got
+    for k, g in want.items():
+        torch.testing.assert_close(got[k], g, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mixer", ["ssog", "ssog-steered"])
+def test_two_forwards_at_two_grids_then_one_backward_give_the_same_gradients_with_checkpointing(family, mixer):
+    model = open_steering(create_model(f"{family}-tiny-{mixer}", **{**TINY, **SMALL, "depth": 2}))
+    _assert_same_gradients(_two_grid_gradients(model, True), _two_grid_gradients(model, False))
+
+
+def test_blocks_shared_by_two_models_take_each_models_grid():
+    # nested / shared use: the same block modules in a second model, run in between (a teacher inside a student)
+    outer = open_steering(create_model("vit-tiny-ssog-steered", **{**TINY, **SMALL, "depth": 2}))
+    inner = create_model("vit-tiny-ssog-steered", **{**TINY, **SMALL, "depth": 2})
+    inner.blocks = outer.blocks
+    a, b = torch.randn(1, 3, 64, 96), torch.randn(1, 3, 96, 64)
+
+    def run(checkpointing):
+        outer.zero_grad()
+        outer.set_grad_checkpointing(checkpointing)
+        inner.set_grad_checkpointing(checkpointing)
+        (outer(a).sum() + inner(b).square().sum()).backward()
+        return {k: p.grad.clone() for k, p in outer.named_parameters() if p.grad is not None}
+
+    _assert_same_gradients(run(True), run(False))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["timm-default", "reentrant"])
+def test_an_ssogified_timm_vit_checkpoints_two_grids_right(reentrant):
+    import ssogvit
+    from timm.layers import set_reentrant_ckpt, use_reentrant_ckpt
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=64, patch_size=8, depth=2, num_classes=3, embed_dim=48,
+                            num_heads=3, reg_tokens=1, dynamic_img_size=True)
+    open_steering(ssogvit.ssogify(vit, mixer="ssog-steered"))
+    before = use_reentrant_ckpt()
+    set_reentrant_ckpt(reentrant)
+    try:
+        checkpointed = _two_grid_gradients(vit, True)
+    finally:
+        set_reentrant_ckpt(before)
+    _assert_same_gradients(checkpointed, _two_grid_gradients(vit, False))
 
 
 # -- attention maps --------------------------------------------------------------------------------------------------
