@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssogvit.extras import missing
+
 __all__ = ["FORMATS", "export_model", "load_exported", "parity", "main"]
 
 #: format -> file suffix
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.tolerance >= 0:
         print(f"ssogvit export: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
+        return 2
+    if args.format == "onnx" and missing("export"):
+        print(f"ssogvit export: --format onnx needs the 'export' extra ({', '.join(missing('export'))} not "
+              "installed): pip install 'ssogvit[export]'", file=sys.stderr)
         return 2
     from ssogvit.train.io import CheckpointError, load_model
 

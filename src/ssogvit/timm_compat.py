@@ -308,8 +308,9 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: 
         raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
     if isinstance(model, VisionTransformerBase):  # a model of ours: its config rebuilds it
         base, base_args = timm_name(model.config["name"]), {k: v for k, v in model.config.items() if k != "name"}
-    else:  # timm's factory recorded the arguments (``_model_args``); a reloaded model, also the base
-        base, base_args = getattr(model, "_model_args", {}).get("ssogify_base", model.pretrained_cfg["architecture"]), {}
+    else:  # timm's factory recorded the arguments (``_model_args``); for a reloaded model, also the base
+        recorded = getattr(model, "_model_args", {})
+        base, base_args = recorded.get("ssogify_base", model.pretrained_cfg["architecture"]), {}
     args = {**base_args, "ssogify_base": base, "ssogify_options": options}
     save_for_hf(model, str(folder), model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, model_args=args,
                 safe_serialization=True)

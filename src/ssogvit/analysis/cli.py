@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssogvit.errors import UsageError
+from ssogvit.errors import ArgumentParser, UsageError
 from ssogvit.layers import is_ssog
 from ssogvit.results import fmt, markdown_table, write_json, write_markdown
-from ssogvit.train.cli import ArgumentParser
 from ssogvit.train.config import split_override
 
 from . import _data

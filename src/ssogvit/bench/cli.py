@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssogvit.errors import UsageError
-from ssogvit.train.cli import ArgumentParser
+from ssogvit.errors import ArgumentParser, UsageError
 
 RESOLUTIONS = [224, 384, 512, 640, 768, 1024]
 GPU_BATCHES = [8, 16, 32, 64, 128, 256, 512]

@@ -10,7 +10,8 @@ __all__ = ["convert_main"]
 def convert_main(argv: list[str]) -> int:
     """``ssogvit convert --teacher PATH [--timm-model NAME] [--calib DIR] [--out DIR] [HYDRA ARGS ...]``"""
     from ssogvit.errors import UsageError
-    from ssogvit.train.cli import ArgumentParser, run_config_command
+    from ssogvit.errors import ArgumentParser
+    from ssogvit.train.cli import run_config_command
 
     parser = ArgumentParser(
         prog="ssogvit convert",

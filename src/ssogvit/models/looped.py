@@ -36,8 +36,8 @@ class Loop(nn.Module):
 
     ``loop[i]`` is the block (its ``i``-th application), ``loop[:k]`` the first ``k`` steps, iteration yields the block
     ``steps`` times: so timm's ``forward_intermediates`` returns one intermediate per iteration, its
-    ``prune_intermediate_layers`` keeps the first iterations and gradient checkpointing checkpoints each iteration. It is
-    called as ``loop(z, grid)``; the block is stored once (state-dict keys ``blocks.0.*``).
+    ``prune_intermediate_layers`` keeps the first iterations and gradient checkpointing checkpoints each iteration.
+    It is called as ``loop(z, grid)``; the block is stored once (state-dict keys ``blocks.0.*``).
     """
 
     def __init__(self, block: nn.Module, steps: int) -> None:

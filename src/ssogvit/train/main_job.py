@@ -37,7 +37,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> int:
     from ssogvit.errors import report_errors
 
-    from .cli import ArgumentParser
+    from ssogvit.errors import ArgumentParser
 
     parser = ArgumentParser(
         prog="ssogvit main",
