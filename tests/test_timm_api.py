@@ -372,38 +372,108 @@ def test_traced_mixer_takes_the_functional_path_and_matches_the_dense_reference(
                             (mixer.v(x),))
 
 
-@pytest.mark.parametrize(  # every family with both SSoG mixers; MHA (nothing family-specific in it) once
-    "family, mixer", [(f, m) for f in FAMILIES for m in ("ssog", "ssog-steered")] + [("vit", "mha")]
-)
+#: the slowest exports (the steered field's symbolic shapes through the dynamo ONNX exporter, about 20 s each); the
+#: default run exports the steered mixer with it in the vit family and every other pair
+_SLOW_EXPORTS = {("looped", "ssog-steered", "onnx", True), ("ode", "ssog-steered", "onnx", True)}
+_EXPORT_FORMATS = [("exported-program", True), ("onnx", True), ("onnx", False), ("torchscript", False)]
+_EXPORT_IDS = {("exported-program", True): "export", ("onnx", True): "onnx-dynamo", ("onnx", False): "onnx-torchscript",
+               ("torchscript", False): "torchscript"}
+
+
 @pytest.mark.parametrize(
-    "fmt, dynamo", [("exported-program", True), ("onnx", True), ("onnx", False), ("torchscript", False)],
-    ids=["export", "onnx-dynamo", "onnx-torchscript", "torchscript"],
+    "family, mixer, fmt, dynamo",
+    [pytest.param(f, m, fmt, dyn, id=f"{_EXPORT_IDS[fmt, dyn]}-{f}-{m}",
+                  marks=[pytest.mark.slow] if (f, m, fmt, dyn) in _SLOW_EXPORTS else [])
+     # every family with both SSoG mixers; MHA (nothing family-specific in it) once
+     for f, m in [(f, m) for f in FAMILIES for m in ("ssog", "ssog-steered")] + [("vit", "mha")]
+     for fmt, dyn in _EXPORT_FORMATS],
 )
-def test_exported_model_computes_what_the_eager_model_computes(family, mixer, fmt, dynamo, tmp_path):
+def test_exported_model_computes_what_the_eager_model_computes_at_other_shapes(family, mixer, fmt, dynamo, tmp_path):
+    from ssogvit.export import dynamic_dims, load_exported, second_shape
+
     torch.manual_seed(0)
     model = open_steering(create_model(f"{family}-tiny-{mixer}", **{**TINY, **SMALL, "depth": 1})).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         model(x)  # an eager call first: a cached kernel table must not leak into the graph as a stale constant
     path = export_model(model, x, tmp_path / "model", format=fmt, dynamo=dynamo)
-    diff = parity(model, path, torch.randn(2, 3, 32, 32), format=fmt)
-    assert diff < 1e-4, diff
+    dims = dynamic_dims(fmt, dynamo)
+    assert "batch" in dims and ("size" in dims) == (fmt == "exported-program" or dynamo)
+    shapes = [(2, 3, 32, 32), second_shape((2, 3, 32, 32), dims, 8), (3, 3, 32, 32)]
+    if "size" in dims:
+        assert shapes[1] == (1, 3, 40, 48)
+        shapes.append((3, 3, 16, 40))  # a smaller, rectangular grid (2 x 5)
+    for shape in shapes:
+        diff = parity(model, path, torch.randn(shape), format=fmt)
+        assert diff < 1e-4, (shape, diff)
+    if "size" not in dims:  # the file refuses another image size instead of computing it wrong
+        refusal = "Got invalid dimensions" if fmt == "onnx" else "computes on 32x32 images only, got 40x48"
+        with pytest.raises(Exception, match=refusal):
+            load_exported(path, format=fmt)(torch.randn(1, 3, 40, 48))
 
 
-def test_export_cli_writes_the_file_and_prints_its_parity(tmp_path):
+def test_a_dynamic_export_is_not_traced_at_a_size_an_exporter_would_fix(tmp_path):
+    model = create_model("vit-tiny-ssog", **{**TINY, **SMALL, "depth": 1}).eval()
+    with pytest.raises(ValueError, match="dynamic batch is traced at batch 2 or more"):
+        export_model(model, torch.randn(1, 3, 32, 32), tmp_path / "m.pt2", format="exported-program")
+    with pytest.raises(ValueError, match="grid of 2 x 2 patches or more, got 8x32"):
+        export_model(model, torch.randn(2, 3, 8, 32), tmp_path / "m.pt2", format="exported-program")
+    static = export_model(model, torch.randn(1, 3, 32, 32), tmp_path / "m.onnx", format="onnx", dynamic=False)
+    assert parity(model, static, torch.randn(1, 3, 32, 32), format="onnx") < 1e-4
+    with pytest.raises(Exception, match="Got invalid dimensions"):
+        parity(model, static, torch.randn(2, 3, 32, 32), format="onnx")
+
+
+def test_export_cli_writes_a_dynamic_file_and_prints_its_parity_at_two_shapes(tmp_path):
     model = open_steering(create_model("vit-tiny-ssog-steered", **{**TINY, **SMALL, "depth": 1}))
     ckpt = export_safetensors(model, tmp_path / "model.safetensors")
     cmd = [sys.executable, "-m", "ssogvit", "export", "--ckpt", str(ckpt)]
     done = subprocess.run(cmd + ["--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "model.onnx").is_file() and "max abs difference" in done.stdout
-    diff = float(done.stdout.split("max abs difference ")[1].split()[0])
-    assert diff < 1e-4
+    assert (tmp_path / "model.onnx").is_file()
+    assert "it takes any batch and image size (a multiple of the patch size)" in done.stdout
+    checks = [line for line in done.stdout.splitlines() if line.startswith("parity on a random batch")]
+    assert [c.split("batch ")[1].split(":")[0] for c in checks] == ["(2, 3, 32, 32)", "(1, 3, 40, 48)"]
+    assert all(float(c.split("max abs difference ")[1].split()[0]) < 1e-4 for c in checks)
     again = subprocess.run(cmd + ["--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
     bad = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(tmp_path / "nope.ckpt"),
                           "--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert bad.returncode == 2 and "cannot load" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_export_cli_says_what_a_format_cannot_make_dynamic_and_refuses_what_would_fix_a_dimension(tmp_path, capsys):
+    import ssogvit.export
+
+    model = create_model("ode-tiny-ssog", **{**TINY, **SMALL, "depth": 1})
+    ckpt = export_safetensors(model, tmp_path / "model.safetensors")
+    base = ["--ckpt", str(ckpt), "--format"]
+    assert ssogvit.export.main(base + ["onnx", "--onnx-exporter", "torchscript"]) == 0
+    out = capsys.readouterr().out
+    assert ("it takes any batch; 32x32 images only (the TorchScript-based ONNX exporter cannot export the position "
+            "embedding's resize; the file refuses other sizes)") in out
+    assert "batch (1, 3, 32, 32)" in out  # the second check: another batch at the traced size
+    assert ssogvit.export.main(base + ["torchscript", "--img-size", "48", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "48x40 images only (a traced TorchScript graph holds the grid as constants" in out
+    assert "batch (2, 3, 48, 40)" in out and "batch (1, 3, 48, 40)" in out
+    assert ssogvit.export.main(base + ["exported-program", "--batch", "1"]) == 2
+    assert "a dynamic batch is traced at --batch 2 or more" in capsys.readouterr().err
+    assert ssogvit.export.main(base + ["exported-program", "--img-size", "8", "32"]) == 2
+    assert "traced at 2 x 2 patches or more (16 px here), got 8x32" in capsys.readouterr().err
+    assert ssogvit.export.main(base + ["exported-program", "--img-size", "30", "32"]) == 2
+    assert "--img-size 30 32 is not a multiple of the patch size 8" in capsys.readouterr().err
+    out_file = tmp_path / "static.pt2"
+    assert ssogvit.export.main(base + ["exported-program", "--static", "--batch", "1", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1 and 32x32 images, the traced shape (--static: checked at it only)" in out
+    assert len([line for line in out.splitlines() if line.startswith("parity")]) == 1
+    adaptive = export_safetensors(create_model("ode-tiny-ssog", **{**TINY, **SMALL, "depth": 1}, solver="dopri5"),
+                                  tmp_path / "adaptive" / "model.safetensors")
+    assert ssogvit.export.main(["--ckpt", str(adaptive), "--format", "exported-program"]) == 2  # data-dependent steps
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ssogvit export: exported-program could not export this model (") and "Traceback" not in err
+    assert not (tmp_path / "adaptive" / "model.pt2").exists()
 
 
 def test_export_cli_fails_with_exit_2_when_parity_is_worse_than_the_tolerance(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, resample_abs_pos_embed, to_2tuple, trunc_normal_
+from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
 from timm.models import checkpoint, save_for_hf
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
@@ -414,9 +414,7 @@ class VisionTransformerBase(TimmVisionTransformer):
     def _pos_embed(self, x: Tensor) -> Tensor:
         """Patch grid ``(B, Gh, Gw, D)`` -> tokens ``(B, P + Gh*Gw, D)`` with position."""
         b, gh, gw, d = x.shape
-        pos = self.pos_embed
-        if (gh, gw) != self.grid_size:
-            pos = resample_abs_pos_embed(pos, new_size=[gh, gw], old_size=list(self.grid_size), num_prefix_tokens=1)
+        pos = transfer.resize_pos_embed(self.pos_embed, self.grid_size, (gh, gw), num_prefix_tokens=1)
         parts = [self.cls_token.expand(b, -1, -1) + pos[:, :1]]
         if self.reg_token is not None:
             parts.append(self.reg_token.expand(b, -1, -1))
