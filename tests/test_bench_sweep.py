@@ -109,7 +109,7 @@ def test_ode_family_is_measured_against_the_papers_explicit_attention_first(tmp_
 
 
 def test_model_ratios_name_their_baseline_and_put_the_papers_first():
-    from ssogvit.bench.model_sweep import default_mixers, model_table
+    from ssogvit.bench.sweeps import default_mixers, model_table
 
     def row(family, mixer, ips, mib):
         return dict(family=family, size="base", mixer=mixer, label=f"{family}-base-{mixer}", res=224, batch=8,
@@ -162,7 +162,7 @@ def test_operator_output_is_at_least_counted_in_peak_memory(tmp_path):
 
 
 def test_mixer_specs_parse_and_expand_per_implementation():
-    from ssogvit.bench.operator_sweep import expand_impls, parse_mixer
+    from ssogvit.bench.sweeps import expand_impls, parse_mixer
 
     assert parse_mixer("ssog:impl=loop,num_atoms=8") == ("ssog", {"impl": "loop", "num_atoms": 8},
                                                         "ssog[impl=loop,num_atoms=8]")
@@ -176,7 +176,7 @@ def test_mixer_specs_parse_and_expand_per_implementation():
 
 
 def test_operator_ratios_are_taken_against_the_baseline_at_the_same_resolution_and_batch():
-    from ssogvit.bench.operator_sweep import operator_fits, operator_table
+    from ssogvit.bench.sweeps import operator_fits, operator_table
 
     def row(label, res, ms, mib, gflops, batch=8):
         return dict(label=label, res=res, tokens=1 + (res // 16) ** 2, batch=batch, status="ok", time_ms=ms,

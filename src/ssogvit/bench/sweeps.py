@@ -1,0 +1,273 @@
+"""The two sweeps as points and tables: one mixer alone against attention at each resolution's token count (paper
+Table 3), and whole models over resolutions and batches; power-law fits ``y ~ c N^k``.
+
+Operator mixers are registry names (``ssogvit.layers.create_mixer``) or ``"torch-mha"``
+(``torch.nn.MultiheadAttention``); options follow a colon, ``"ssog:impl=loop,num_atoms=8"``. Models are
+``"{family}-{size}-{mixer}"``. The paper benchmarks ODE-ViT against explicit attention (``mha-unfused``) and the other
+families against fused SDPA (``mha``): by default the ODE family is measured with both, the paper's pair first, and
+every table row and plot line names the baseline it is compared with.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ssogvit.results import markdown_table
+
+__all__ = [
+    "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "default_mixers", "expand_impls", "fit_power_law",
+    "format_fits", "format_model_table", "format_operator_table", "format_saved_table", "model_points", "model_table",
+    "operator_fits", "operator_points", "operator_table", "parse_mixer", "parse_value",
+]
+
+#: the baseline the paper benchmarks each family against, where it is not the fused ``mha``
+PAPER_BASELINES = {"ode": "mha-unfused"}
+#: how tables and plots name each baseline mixer
+BASELINE_NAMES = {"mha": "mha (fused SDPA)", "mha-unfused": "mha-unfused (explicit attention, as the paper's ODE-ViT)"}
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """``y = coef * n ** exponent``, fitted by least squares on ``log y = log coef + exponent * log n``."""
+
+    exponent: float
+    coef: float
+    r2: float
+    points: int
+
+    def __call__(self, n: float) -> float:
+        return self.coef * n**self.exponent
+
+
+def fit_power_law(n: Sequence[float], y: Sequence[float]) -> PowerLaw:
+    """Fit ``y ~ coef * n^exponent`` to the positive pairs (missing or non-positive ``y`` are dropped).
+
+    Raises:
+        ValueError: fewer than two usable points, or all ``n`` equal.
+    """
+    pairs = [(math.log(a), math.log(b)) for a, b in zip(n, y, strict=True) if a and b and a > 0 and b > 0]
+    if len(pairs) < 2:
+        raise ValueError(f"a power-law fit needs at least two positive points, got {len(pairs)}")
+    xs, ys = zip(*pairs)
+    if len(set(xs)) < 2:
+        raise ValueError("a power-law fit needs at least two distinct n")
+    k, c = statistics.linear_regression(xs, ys)
+    r2 = statistics.correlation(xs, ys) ** 2 if len(set(ys)) > 1 else 1.0
+    return PowerLaw(exponent=k, coef=math.exp(c), r2=r2, points=len(pairs))
+
+
+def parse_value(text: str) -> Any:
+    """A Python literal (``8``, ``0.5``, ``(1, 2)``, ``True``), else the text itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_mixer(text: str) -> tuple[str, dict[str, Any], str]:
+    """``"ssog:impl=loop,num_atoms=8"`` -> ``("ssog", {"impl": "loop", "num_atoms": 8}, label)``."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"mixer option {item!r} in {text!r} is not key=value")
+        options[key.strip()] = parse_value(value.strip())
+    return name, options, name + ("[" + ",".join(f"{k}={v}" for k, v in options.items()) + "]" if options else "")
+
+
+def expand_impls(mixers: Iterable[str], impls: Sequence[str] | None, device: str = "cpu") -> list[str]:
+    """Each SSoG mixer without an ``impl`` option once per name in ``impls`` (``["all"]``: every one that runs on
+    ``device``; the Triton kernel needs CUDA)."""
+    if not impls:
+        return list(mixers)
+    if list(impls) == ["all"]:
+        from ssogvit.layers import SSOG_IMPLS
+
+        impls = [i for i in SSOG_IMPLS if device == "cuda" or i != "triton"]
+    out = []
+    for m in mixers:
+        name, options, _ = parse_mixer(m)
+        expand = name.startswith("ssog") and "impl" not in options
+        out += [f"{m}{',' if ':' in m else ':'}impl={i}" for i in impls] if expand else [m]
+    return out
+
+
+def operator_points(mixers: Sequence[str], *, dim: int, heads: int, resolutions: Sequence[int],
+                    batches: Sequence[int], patch: int = 16, prefix: int = 1, **common: Any) -> list[dict[str, Any]]:
+    """Points for ``run_sweep``: every mixer at every resolution and batch (square images, ``res // patch`` grid)."""
+    points = []
+    for res in resolutions:
+        g = res // patch
+        for batch in batches:
+            for m in mixers:
+                name, options, label = parse_mixer(m)
+                points.append(dict(kind="operator", label=label, mixer=name, mixer_options=options, dim=dim,
+                                   heads=heads, res=res, grid=[g, g], prefix=prefix, tokens=prefix + g * g,
+                                   batch=batch, **common))
+    return points
+
+
+def default_mixers(family: str) -> list[str]:
+    """The mixers ``ssogvit bench models`` measures for ``family`` without ``--mixers``."""
+    return [PAPER_BASELINES[family], "mha", "ssog"] if family in PAPER_BASELINES else ["mha", "ssog"]
+
+
+def baselines_of(family: str, mixers: Sequence[str], baseline: str = "mha") -> list[str]:
+    """The baselines among ``mixers`` that ``family``'s other mixers are compared with, the paper's first."""
+    order = [PAPER_BASELINES.get(family), baseline]
+    return [b for i, b in enumerate(order) if b is not None and b in mixers and b not in order[:i]]
+
+
+def model_points(families: Sequence[str], sizes: Sequence[str], mixers: Sequence[str] | None, *,
+                 resolutions: Sequence[int], batches: Sequence[int], model_kwargs: dict[str, Any] | None = None,
+                 **common: Any) -> list[dict[str, Any]]:
+    """Points for ``run_sweep``, each configuration's batches smallest first; ``mixers=None``: each family's
+    ``default_mixers``."""
+    return [dict(kind="model", label=f"{family}-{size}-{mixer}", model=f"{family}-{size}-{mixer}", family=family,
+                 size=size, mixer=mixer, model_kwargs=dict(model_kwargs or {}), res=res, batch=batch, **common)
+            for family in families for size in sizes
+            for mixer in (mixers if mixers is not None else default_mixers(family))
+            for res in resolutions for batch in sorted(batches)]
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok"
+
+
+def _against(r: dict, b: dict | None, speed: str) -> dict[str, float]:
+    """``r``'s ``speedup`` over its baseline ``b`` (by ``speed``: ``"time_ms"`` or ``"images_per_s"``),
+    ``memory_ratio`` (peak over the baseline's), ``flop_bound`` (the baseline's FLOPs over these: the speed-up
+    perfect implementations of both would show) and ``of_bound`` (the fraction of it reached)."""
+    out: dict[str, float] = {}
+    if b is None or not _ok(r):
+        return out
+    if b.get(speed) and r.get(speed):
+        out["speedup"] = b[speed] / r[speed] if speed == "time_ms" else r[speed] / b[speed]
+    if b.get("peak_mib") and r.get("peak_mib") is not None:
+        out["memory_ratio"] = r["peak_mib"] / b["peak_mib"]
+    if b.get("gflops_per_image") and r.get("gflops_per_image"):
+        out["flop_bound"] = b["gflops_per_image"] / r["gflops_per_image"]
+        if "speedup" in out:
+            out["of_bound"] = out["speedup"] / out["flop_bound"]
+    return out
+
+
+def operator_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
+    """Rows with their ratios (``_against``) to the baseline mixer at the same resolution and batch."""
+    base = {(r["res"], r["batch"]): r for r in rows if r.get("label") == baseline and _ok(r)}
+    return [r | _against(r, base.get((r["res"], r["batch"])), "time_ms") for r in rows]
+
+
+def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[str, int], PowerLaw]:
+    """``metric ~ tokens^k`` for each (mixer label, batch) series with at least two successful points."""
+    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in (r for r in rows if _ok(r) and r.get(metric)):
+        series.setdefault((r["label"], r["batch"]), []).append((r["tokens"], r[metric]))
+    fits = {}
+    for key, pts in series.items():
+        try:
+            fits[key] = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
+        except ValueError:
+            continue
+    return fits
+
+
+def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
+    """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, resolution and batch
+    (``_against`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
+    in turn, a group's rows appearing once per baseline."""
+    out = []
+    for family, size in dict.fromkeys((r["family"], r["size"]) for r in rows):
+        group = [r for r in rows if (r["family"], r["size"]) == (family, size)]
+        bases = baselines_of(family, [r.get("mixer") for r in group], baseline) or [None]
+        for name in bases:
+            base = {(r["res"], r["batch"]): r for r in group if r.get("mixer") == name and _ok(r)}
+            for r in (r for r in group if r.get("mixer") == name or r.get("mixer") not in bases):
+                ratios = {} if r.get("mixer") == name else _against(r, base.get((r["res"], r["batch"])),
+                                                                     "images_per_s")
+                if "memory_ratio" in ratios:
+                    ratios["memory_saved"] = 1.0 - ratios["memory_ratio"]
+                out.append(r | ratios | {"baseline": name})
+    return out
+
+
+def _f(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, int | float) else "-"
+
+
+def _x(v: Any) -> str:
+    return f"{v:.2f}x" if isinstance(v, int | float) else "-"
+
+
+def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_peak: float | None = None) -> str:
+    """Markdown: per resolution, batch and mixer, time, memory and the ratios against ``baseline`` (with
+    ``matmul_peak`` in GFLOP/s, also each mixer's rate as a fraction of it)."""
+    head = ["res", "tokens", "batch", "mixer", "ms / call", "peak MiB", "GFLOP/s", f"speed-up vs {baseline}",
+            "FLOP bound", "of bound", f"memory / {baseline}"] + (["of matmul peak"] if matmul_peak else [])
+    lines = []
+    for r in operator_table(rows, baseline):
+        cells = [r["res"], r["tokens"], r["batch"], r["label"]]
+        if not _ok(r):
+            lines.append(cells + [r.get("status")] + ["-"] * (len(head) - 5))
+            continue
+        rate = r.get("achieved_gflops_per_s")
+        lines.append(cells + [_f(r.get("time_ms"), ".2f"), _f(r.get("peak_mib"), ".1f"), _f(rate, ".1f"),
+                              _x(r.get("speedup")), _x(r.get("flop_bound")), _f(r.get("of_bound"), ".0%"),
+                              _x(r.get("memory_ratio"))]
+                     + ([_f((rate or 0) / matmul_peak, ".0%")] if matmul_peak else []))
+    return markdown_table(head, lines)
+
+
+def format_fits(rows: Sequence[dict]) -> str:
+    """Markdown: the fitted exponents of memory and time against tokens, per mixer and batch."""
+    mem, time = operator_fits(rows, "peak_mib"), operator_fits(rows, "time_ms")
+    lines = []
+    for key in sorted(set(mem) | set(time), key=lambda k: (k[1], k[0])):
+        m, t = mem.get(key), time.get(key)
+        lines.append([key[0], key[1], _f(m and m.exponent, ".3f"), _f(m and m.r2, ".4f"), _f(t and t.exponent, ".3f"),
+                      _f(t and t.r2, ".4f"), (m or t).points])
+    return markdown_table(["mixer", "batch", "memory ~ N^k: k", "R^2", "time ~ N^k: k", "R^2", "points"], lines)
+
+
+def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
+    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table)."""
+    lines = []
+    for r in model_table(rows, baseline):
+        b = r["baseline"]
+        cells = [r["label"], "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b),
+                 r["res"], r["batch"]]
+        if not _ok(r):
+            lines.append(cells + [r.get("status")] + ["-"] * 6)
+            continue
+        lines.append(cells + [_f(r.get("images_per_s"), ".2f"), _f(r.get("time_ms"), ".1f"),
+                              _f(r.get("peak_mib"), ".1f"), _f(r.get("gflops_per_image"), ".1f"),
+                              _x(r.get("speedup")), _x(r.get("flop_bound")), _f(r.get("memory_saved"), ".0%")])
+    return markdown_table(["model", "compared with", "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
+                   "speed-up", "FLOP bound", "memory saved"], lines)
+
+
+def format_saved_table(rows: Sequence[dict]) -> str:
+    """Where a training step's bytes go (``--mode train``): per point, the step's peak beside what its forward saves
+    for backward and the gradients (the larger is a lower bound of the peak, ``memory.saved_for_backward``), then
+    what each module saves. Empty when no row has the breakdown."""
+    rows = [r for r in rows if _ok(r) and r.get("saved_by_module")]
+    if not rows:
+        return ""
+    steps = []
+    for r in rows:
+        bound = max(r["saved_mib"], r.get("grads_mib") or 0.0)
+        steps.append([r["label"], r["res"], r["batch"], _f(r.get("peak_mib"), ".1f"), _f(r.get("saved_mib"), ".1f"),
+                      _f(r.get("grads_mib"), ".1f"), _x(r["peak_mib"] / bound if r.get("peak_mib") and bound else None),
+                      _f(r.get("state_mib"), ".1f")])
+    modules = [[r["label"], r["res"], r["batch"], module, f"{mib / calls:.2f}", calls, f"{mib:.1f}",
+                f"{mib / r['saved_mib']:.0%}"] for r in rows for module, (mib, calls) in r["saved_by_module"].items()]
+    return (markdown_table(["model", "res", "batch", "step peak MiB", "saved for backward MiB", "gradients MiB",
+                            "peak / lower bound", "parameters + optimizer MiB"], steps) + "\n"
+            + markdown_table(["model", "res", "batch", "module", "MiB per application", "applications", "MiB",
+                              "share"], modules))
