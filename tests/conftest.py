@@ -1,3 +1,9 @@
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+
 import pytest
 import torch
 
@@ -9,3 +15,30 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@contextlib.contextmanager
+def _read_only_folder(path):
+    """`path` (created) made read-only while the context is open: `chmod 555`, or for root, who writes anyway, the
+    immutable attribute (`chattr +i`); skips the test where neither holds."""
+    path.mkdir(parents=True, exist_ok=True)
+    immutable = os.geteuid() == 0
+    if immutable:
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)],
+                                                            capture_output=True).returncode:
+            pytest.skip("running as root without chattr +i: no folder is read-only here")
+    else:
+        path.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    try:
+        yield path
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        else:
+            path.chmod(0o755)
+
+
+@pytest.fixture
+def read_only_folder():
+    """`with read_only_folder(path):` a folder nobody may write to, root included, for as long as it is open."""
+    return _read_only_folder

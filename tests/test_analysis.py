@@ -96,7 +96,7 @@ def test_bound_without_the_dense_matrix_equals_the_dense_computation():
     m = _random_fixed_mixer(gen, heads=3, atoms=4, dim=6, identity_weights=False).double()
     for grid, prefix in (((3, 5), 0), ((4, 2), 1), ((1, 6), 2)):
         x = torch.randn(1, prefix + grid[0] * grid[1], 6, dtype=torch.float64)
-        attn = m.attention_matrix(x, grid)  # dense (1, H, T, T) from ssogvit.reference
+        attn = m.attention_matrix(x, grid, num_prefix_tokens=prefix)  # dense (1, H, T, T), ssogvit.reference
         dense = (attn[0].sum(-2).amax(-1) * attn[0].sum(-1).amax(-1)).sqrt()
         torch.testing.assert_close(head_norm_bounds(m, grid, prefix), dense, atol=1e-12, rtol=0)
 

@@ -35,7 +35,7 @@ def make_mixer(steer=(), dim=12, heads=3, atoms=3, open_gates=True, **kw):
 
 def dense_forward(m, x, grid):
     """Reference output: proj(A @ V) with A materialised by ssogvit.reference."""
-    a = m.attention_matrix(x, grid)
+    a = m.attention_matrix(x, grid, num_prefix_tokens=x.shape[1] - grid[0] * grid[1])
     return m.proj(reference.dense_mix(a, m.v(x)))
 
 
@@ -56,7 +56,7 @@ def test_fast_path_equals_dense_reference_forward_and_gradients(grid, steer, pre
     g_ref = torch.autograd.grad((y_ref * w).sum(), params)
     for impl in impls:
         m.impl = impl
-        y = m(x, grid=grid)
+        y = m(x, grid=grid, num_prefix_tokens=prefix)
         assert rel_err(y, y_ref) < 1e-10, impl
         g = torch.autograd.grad((y * w).sum(), params, allow_unused=True)
         for (name, _), gi, gr in zip([("x", None)] + list(m.named_parameters()), g, g_ref):
@@ -81,7 +81,7 @@ def test_gradcheck_fast_path(grid, steer):
 def test_every_row_of_the_mixing_matrix_sums_to_one(steer):
     m = make_mixer(steer)
     x = torch.randn(2, 3 + 5 * 6, 12, **F64)
-    a = m.attention_matrix(x, (5, 6))
+    a = m.attention_matrix(x, (5, 6), num_prefix_tokens=3)
     assert a.shape == (2, 3, 33, 33)
     assert (a >= 0).all()
     torch.testing.assert_close(a.sum(-1), torch.ones(2, 3, 33, **F64), atol=1e-12, rtol=0)
@@ -91,18 +91,19 @@ def test_patches_never_receive_mass_from_prefix_tokens():
     m = make_mixer(STEER_PATHS)
     grid, p = (4, 5), 3
     x = torch.randn(2, p + 20, 12, **F64)
-    a = m.attention_matrix(x, grid)
+    a = m.attention_matrix(x, grid, num_prefix_tokens=p)
     assert torch.count_nonzero(a[..., p:, :p]) == 0
     # and the output at the patches does not change when the prefix tokens do
     x2 = x.clone()
     x2[:, :p] = torch.randn(2, p, 12, **F64) * 10
-    torch.testing.assert_close(m(x, grid=grid)[:, p:], m(x2, grid=grid)[:, p:], atol=1e-12, rtol=0)
+    y, y2 = m(x, grid=grid, num_prefix_tokens=p), m(x2, grid=grid, num_prefix_tokens=p)
+    torch.testing.assert_close(y[:, p:], y2[:, p:], atol=1e-12, rtol=0)
 
 
 def test_prefix_tokens_receive_the_mean_patch_value():
     m = make_mixer()
     x = torch.randn(2, 2 + 12, 12, **F64)
-    y = m(x, grid=(3, 4))
+    y = m(x, grid=(3, 4), num_prefix_tokens=2)
     expected = m.proj(m.v(x[:, 2:]).mean(dim=1))
     torch.testing.assert_close(y[:, 0], expected)
     torch.testing.assert_close(y[:, 1], expected)
@@ -239,13 +240,13 @@ def test_unknown_steering_path_and_options():
         create_mixer("flash", 16, 2)
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_atoms'\].*valid options"):
         create_mixer("mha", 16, 2, num_atoms=4)
-    with pytest.raises(ValueError, match="unknown impl"):
+    with pytest.raises(ValueError, match="impl='fft': expected one of 'auto'"):
         create_mixer("ssog", 16, 2, impl="fft")
 
 
 @pytest.mark.parametrize("field,value", [("sigma_min", 0.0), ("sigma_min", -1.0), ("tau_min", 0.0)])
 def test_non_positive_bounds(field, value):
-    with pytest.raises(ValueError, match=rf"{field} must be > 0, got {value}"):
+    with pytest.raises(ValueError, match=rf"{field}={value}: expected a number > 0"):
         create_mixer("ssog", 16, 2, **{field: value})
 
 
@@ -316,7 +317,7 @@ def test_inference_steered_inplace_equals_dense_reference(steer, prefix):
     grid = (5, 7)
     x = torch.randn(2, prefix + 35, 12, **F64)
     with torch.no_grad():
-        a = m.attention_matrix(x, grid)
+        a = m.attention_matrix(x, grid, num_prefix_tokens=prefix)
         values = m.v(x)
         y_ref = reference.dense_mix(a, values)
         mu, sigma, lam = m.geometry(x[:, prefix:])

@@ -365,7 +365,7 @@ def test_traced_mixer_takes_the_functional_path_and_matches_the_dense_reference(
     with torch.no_grad():
         traced = torch.jit.trace(Grid(), (x,), check_trace=False)
         y = torch.randn_like(x)
-        expected = mixer.proj(reference.dense_mix(mixer.attention_matrix(y, (3, 5)), mixer.v(y)))
+        expected = mixer.proj(reference.dense_mix(mixer.attention_matrix(y, (3, 5), num_prefix_tokens=2), mixer.v(y)))
         torch.testing.assert_close(traced(y), expected, rtol=0, atol=1e-12)
         with pytest.raises(ValueError, match="cannot be traced"):
             torch.jit.trace(lambda v: ops.ssog_mix(v, (3, 5), *mixer._fixed_kernels((3, 5), v.dtype), inplace=True),

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from ssogvit.cli import main as cli_main
 from ssogvit.train import load_model
 from ssogvit.train.config import compose, quote_override
+from ssogvit.outputs import LOCK_NAME, is_temp_name, temp_path
 from ssogvit.train.io import atomic_write, read_checkpoint
 from ssogvit.train.run_folder import RunLock, config_diff, folder_state, prune_logs
 
@@ -76,7 +77,7 @@ def assert_clear_error(proc_or_code, err: str, *needles: str) -> None:
 def digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under `folder` (the lock file aside)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 def val_epochs(run: Path) -> list[int]:
@@ -115,8 +116,8 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path,
         if kills < max_kills:
             deadline = time.monotonic() + 120  # the folder is claimed: the lock holds the child's pid
             while time.monotonic() < deadline and child.poll() is None:
-                lock = run / ".lock"
-                if lock.is_file() and lock.read_text().strip() == str(child.pid):
+                lock = run / LOCK_NAME
+                if lock.is_file() and f"pid {child.pid} " in lock.read_text():
                     break
                 time.sleep(0.02)
             delays.append(round(rng.uniform(0.0, window), 2))
@@ -141,24 +142,29 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path,
     assert all(torch.equal(a[k], b[k]) for k in a), (kills, delays)
     for k, v in b.items():  # last.ckpt is the final state: the exported weights
         assert torch.equal(last["state_dict"]["model." + k], v), k
-    assert not list(run.rglob(".*.tmp")) and json.loads((run / "run.json").read_text())["status"] == "finished"
+    assert not [p for p in run.rglob("*") if is_temp_name(p.name)]
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
 def test_stale_temp_files_go_and_a_mid_epoch_checkpoint_does_not_resume(tmp_path):
     out = tmp_path / "run"
     proc = cli("train", *tiny(out, epochs=1))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # a run killed during its writes: unfinished, with the temporary files of the writes it never renamed
+    # a run killed during its writes: unfinished, with the temporary files of the writes it never renamed (named by
+    # a process that is gone), beside a user's own files with temporary-looking names, which are never touched
     (out / "run.json").write_text(json.dumps({"status": "running"}))
-    stale = [out / "checkpoints" / ".last.ckpt.abc123.tmp", out / "export" / ".model.safetensors.x1.tmp"]
-    for p in stale:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = [temp_path(out / "checkpoints" / "last.ckpt"), temp_path(out / "export" / "model.safetensors")]
+    stale = [p.with_name(p.name.replace(f"-{os.getpid()}-", f"-{dead.stdout.strip()}-")) for p in stale]
+    mine = [out / ".notes.tmp", out / "checkpoints" / ".last.ckpt.abc123.tmp"]
+    for p in stale + mine:
         p.write_bytes(b"half a file")
     # step=*.ckpt was taken mid-epoch: its data order cannot be reproduced, so it cannot resume
     code = cli_main(["train", *tiny(out, epochs=1), f"resume={out / 'checkpoints' / 'step=0000002.ckpt'}"])
     assert code == 2
-    assert all(p.exists() for p in stale)  # a refused launch touches nothing
+    assert all(p.exists() for p in stale + mine)  # a refused launch touches nothing
     assert cli_main(["train", *tiny(out, epochs=1)]) == 0  # resume=auto: the last epoch-end checkpoint
-    assert not any(p.exists() for p in stale)
+    assert not any(p.exists() for p in stale) and all(p.read_bytes() == b"half a file" for p in mine)
 
 
 def test_resume_message_for_mid_epoch_checkpoint(tmp_path, capsys, finished):
@@ -220,7 +226,7 @@ def test_a_folder_with_run_files_but_no_config_is_refused(tmp_path, capsys):
     (out / "checkpoints" / "step=0000500.ckpt").write_bytes(b"x")
     assert cli_main(["train", *tiny(out)]) == 2
     assert_clear_error(2, capsys.readouterr().err, "files of another run", "checkpoints")
-    assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == [".lock", "checkpoints"]
+    assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "checkpoints"]
     (tmp_path / "file").write_text("x")  # output_dir names a file
     assert cli_main(["train", *tiny(tmp_path / "file")]) == 2
     assert_clear_error(2, capsys.readouterr().err, "is a file, not a folder")
@@ -232,11 +238,11 @@ def test_a_live_run_holds_its_folder(tmp_path):
     with RunLock(out):  # this process is the live run
         proc = cli("train", *tiny(out))
         assert_clear_error(proc, proc.stderr, "another live run", f"pid {os.getpid()}")
-        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
     # the lock goes with the process that held it: a SIGKILLed holder leaves nothing stale behind
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
-                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+                               str(out / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(Exception, match="another live run"):
         RunLock(out).__enter__()
@@ -426,7 +432,7 @@ SYN = ["data=synthetic", "data.img_size=16", "model.size=tiny", "model.kwargs.em
 BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("trainer.max_epochs=-5", "trainer.max_epochs=-5"), ("trainer.max_epochs=abc", "trainer.max_epochs"),
     ("data.batch_size=0", "data.batch_size=0"), ("data.num_workers=-1", "data.num_workers"),
-    ("data.train_size=0", "num_samples"), ("data.in_chans=0", "0 channels"), ("optim.lr=nan", "optim.lr=nan"),
+    ("data.train_size=0", "train_size=0"), ("data.in_chans=0", "data.in_chans=0"), ("optim.lr=nan", "optim.lr=nan"),
     ("optim.lr=-1", "optim.lr=-1"), ("optim.opt=nope", "optim.opt"), ("seed=abc", "seed"),
     ("sched.warmup_epochs=-1", "sched.warmup_epochs"), ("loss.smoothing=2", "loss.smoothing"),
     ("loss.jasmin.reduce=sum", "loss.jasmin.reduce"), ("mixup.mixup_alpha=-1", "mixup.mixup_alpha"),
@@ -435,7 +441,7 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
     ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
     ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "not divisible by the patch size 5"),
-    ("model.kwargs.embed_dim=0", "cannot run"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
+    ("model.kwargs.embed_dim=0", "embed_dim=0"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
     ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
     ("output_dir= ", "output_dir is empty"),
 ]]

@@ -3,15 +3,22 @@
 A user's mistake ends in one or two lines naming the problem and the fix, exit status 2, no traceback; `--debug`
 (anywhere on the command line) or the environment variable `SSOGVIT_DEBUG=1` shows the traceback instead. Output
 into a pipe that closes early (`ssogvit list | head`) ends quietly with status 141, as a process stopped by SIGPIPE.
+SIGINT (Ctrl-C) and SIGTERM (what `kill` and SLURM send) end a command with one line, `ssogvit <command>: stopped by
+SIGTERM; <what to do>`, and exit status 128 + the signal's number (130, 143); every file it wrote is whole (each is
+written atomically), and a training run resumes from its last epoch-end checkpoint (`resume=auto`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
-from ssogvit.errors import DEBUG_ENV, debug_enabled, format_error, user_errors
+from ssogvit.errors import DEBUG_ENV, Interrupted, debug_enabled, format_error, user_errors
 from ssogvit.extras import require_extra
 
 # command -> (module, function, extra it needs beyond the core (ssogvit.extras), one-line help). Modules are imported
@@ -65,6 +72,24 @@ def _end_quietly_on_closed_pipe() -> int:
     return 141
 
 
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `Interrupted` (a `KeyboardInterrupt`) while a command runs; the old handlers after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in argv:
@@ -83,17 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, func, extra, _ = COMMANDS[name]
     try:
-        if extra:
-            require_extra(extra, "this command")
-        result = getattr(importlib.import_module(module), func)(rest)
-        sys.stdout.flush()  # a closed pipe shows here, not in Python's exit flush
+        with _signals_interrupt():
+            if extra:
+                require_extra(extra, "this command")
+            result = getattr(importlib.import_module(module), func)(rest)
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's exit flush
     except BrokenPipeError:
         return _end_quietly_on_closed_pipe()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if debug_enabled():
             raise
-        print(f"ssogvit {name}: interrupted", file=sys.stderr)
-        return 130
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        print(f"ssogvit {name}: {err if isinstance(err, Interrupted) else 'interrupted'}", file=sys.stderr)
+        return 128 + int(signum)
     except Exception as err:  # a user error a command did not report itself
         if debug_enabled() or not isinstance(err, user_errors()):
             raise

@@ -1,14 +1,18 @@
 """How a command reports its user's mistakes: `UsageError` and the other user errors end in one or two lines naming
-the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`)."""
+the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`). `Interrupted` is how
+SIGINT and SIGTERM end a command: one line, exit status 128 + the signal's number."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-__all__ = ["DEBUG_ENV", "ArgumentParser", "UsageError", "debug_enabled", "format_error", "report_errors",
-           "user_errors"]
+from ssogvit.inputs import InputError
+
+__all__ = ["DEBUG_ENV", "ArgumentParser", "Interrupted", "UsageError", "debug_enabled", "format_error",
+           "report_errors", "user_errors"]
 
 DEBUG_ENV = "SSOGVIT_DEBUG"
 
@@ -24,6 +28,24 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM (what SLURM and `kill` send) stopped a command.
+
+    Attributes:
+        signum: the signal's number.
+        detail: what the command left behind and how to go on (`last.ckpt resumes the run ...`), or empty.
+    """
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        super().__init__(signum, detail)
+        self.signum = signum
+        self.detail = detail
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"stopped by {name}" + (f"; {self.detail}" if self.detail else "")
+
+
 def debug_enabled() -> bool:
     """Whether errors show their traceback (`--debug`, or `SSOGVIT_DEBUG` set to anything but 0/empty)."""
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
@@ -37,7 +59,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """
     from ssogvit.train.errors import TrainError
 
-    found: list[type[BaseException]] = [TrainError, UsageError]
+    found: list[type[BaseException]] = [TrainError, UsageError, InputError]
     for module, name in (("hydra.errors", "HydraException"), ("omegaconf.errors", "OmegaConfBaseException"),
                          ("ssogvit.data._common", "DataError")):
         if module in sys.modules:

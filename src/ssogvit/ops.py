@@ -55,7 +55,8 @@ def _grid_side(g: object) -> int:
 
 
 def check_grid(
-    num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None
+    num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None, *,
+    max_implicit_prefix: int | None = None,
 ) -> tuple[int, int, int]:
     """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``.
 
@@ -63,7 +64,10 @@ def check_grid(
         num_tokens: ``T``, the length of the token sequence.
         grid: ``(Gh, Gw)``, two positive integers (a float, even a whole one, is an error, never truncated).
         num_prefix_tokens: ``P`` when the caller knows it (every model does): then ``T`` must be exactly
-            ``P + Gh * Gw``. ``None`` takes ``P = T - Gh * Gw`` (any ``P >= 0``).
+            ``P + Gh * Gw``. ``None`` takes ``P = T - Gh * Gw`` (``P >= 0``, at most ``max_implicit_prefix``).
+        max_implicit_prefix: the largest ``P`` taken without ``num_prefix_tokens`` (``None``: any). The mixers' own
+            calls take 1 (no class token, or one): any other count must be given, so that a grid too small for the
+            tokens is an error, never patches taken for prefix tokens.
     """
     try:
         gh, gw = (_grid_side(g) for g in grid)
@@ -83,6 +87,13 @@ def check_grid(
         raise ValueError(
             f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw tokens with Gh={gh}, Gw={gw} "
             f"(Gh*Gw={gh * gw}) and P >= 0 prefix tokens"
+        )
+    elif max_implicit_prefix is not None and prefix > max_implicit_prefix:
+        raise ValueError(
+            f"token count {num_tokens} does not fit the grid: Gh*Gw = {gh}*{gw} = {gh * gw} patch tokens leave "
+            f"{prefix} prefix tokens; without num_prefix_tokens at most {max_implicit_prefix} (a class token) "
+            f"is taken, so pass num_prefix_tokens={prefix} if there are {prefix} (class and register tokens), or "
+            "the right grid"
         )
     return gh, gw, prefix
 

@@ -125,8 +125,11 @@ class TimmSSoGAttention(SSoGAttention):
         prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
         return super().forward(x, self._grid(grid), num_prefix_tokens=prefix)
 
-    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:  # type: ignore[override]
-        return super().attention_matrix(x, self._grid(grid))
+    def attention_matrix(  # type: ignore[override]
+        self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
+    ) -> Tensor:
+        prefix = self.num_prefix_tokens if num_prefix_tokens is None else num_prefix_tokens
+        return super().attention_matrix(x, self._grid(grid), num_prefix_tokens=prefix)
 
     def _grid(self, grid: tuple[int, int] | None) -> tuple[int, int]:
         tracker = self._grid_tracker

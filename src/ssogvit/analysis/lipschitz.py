@@ -127,7 +127,7 @@ def _jvp_vjp(fn: Callable[[Tensor], Tensor], x: Tensor):
 
 
 def _as_fn(mixer: nn.Module, grid: tuple[int, int]) -> Callable[[Tensor], Tensor]:
-    return lambda x: mixer(x, grid=grid)
+    return lambda x: mixer(x, grid=grid, num_prefix_tokens=x.shape[1] - grid[0] * grid[1])
 
 
 def _differentiable_copy(mixer: nn.Module) -> nn.Module:
@@ -191,7 +191,7 @@ def local_lipschitz_growth(
             x = r * x / x.norm(dim=-1, keepdim=True)
             local.append(jacobian_spectral_norm(fn, x, iters=iters, rtol=1e-4, generator=gen))
             with torch.no_grad():
-                attn = mixer64.attention_matrix(x, grid)
+                attn = mixer64.attention_matrix(x, grid, num_prefix_tokens=num_prefix_tokens)
             frozen.append(_frozen_bound(attn, mixer64))
         rows.append({"radius": float(r), "local_max": max(local), "local_mean": sum(local) / len(local),
                      "frozen_bound_max": max(frozen)})

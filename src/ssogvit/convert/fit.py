@@ -36,7 +36,7 @@ def _kl_rows(target: Tensor, pred: Tensor) -> Tensor:
 
 def _patch_matrix(mixer: nn.Module, x: Tensor, grid: tuple[int, int]) -> Tensor:
     p = x.shape[1] - grid[0] * grid[1]
-    return mixer.attention_matrix(x, grid)[:, :, p:, p:]  # (B, H, N, N)
+    return mixer.attention_matrix(x, grid, num_prefix_tokens=p)[:, :, p:, p:]  # (B, H, N, N)
 
 
 def fit_mixer(mixer: nn.Module, x: Tensor, target: Tensor, grid: tuple[int, int], *, steps: int = 300,

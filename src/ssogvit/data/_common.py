@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, Flag, Int, check_memory, checked
 
 __all__ = ["DataError", "DataConfigError", "ClassificationDataModule", "build_transform", "AUG_DEFAULTS"]
 
@@ -79,16 +81,17 @@ class ClassificationDataModule(pl.LightningDataModule):
 
     name = "base"
 
+    @checked
     def __init__(
         self,
         *,
-        img_size: int,
-        batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        img_size: Annotated[int, IMG_SIZE],
+        batch_size: Annotated[int, BATCH_SIZE] = 64,
+        eval_batch_size: Annotated[int | None, Int(1, 1 << 20, none=True)] = None,
+        num_workers: Annotated[int, NUM_WORKERS] = 0,
         aug: Mapping[str, Any] | None = None,
-        drop_last: bool = True,
-        pin_memory: bool | None = None,
+        drop_last: Annotated[bool, Flag()] = True,
+        pin_memory: Annotated[bool | None, Flag(none=True)] = None,
     ):
         super().__init__()
         self.img_size = int(img_size)
@@ -116,8 +119,15 @@ class ClassificationDataModule(pl.LightningDataModule):
     def eval_transform(self) -> Callable:
         return build_transform(self.img_size, self.in_chans, self.aug, is_training=False)
 
+    def batch_bytes(self) -> int:
+        """Bytes of the largest batch of images the loaders hand out (float32, `(B, C, S, S)`)."""
+        return max(self.batch_size, self.eval_batch_size) * int(self.in_chans) * self.img_size**2 * 4
+
     def setup(self, stage: str | None = None) -> None:
+        """Build the datasets once; refused first (`MemoryLimitError`) if one batch of images cannot fit in memory."""
         if self.train_set is None:
+            check_memory(self.batch_bytes(), f"a batch of {max(self.batch_size, self.eval_batch_size)} images of "
+                         f"{self.in_chans}x{self.img_size}x{self.img_size}", "data.img_size and data.batch_size")
             self.train_set, self.val_set = self.build_datasets()
 
     def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:

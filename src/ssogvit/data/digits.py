@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+
+from ssogvit.inputs import SEED, Float, checked
 
 from ._common import ClassificationDataModule
 
@@ -57,7 +60,9 @@ class DigitsDataModule(ClassificationDataModule):
     num_classes = 10
     classes = [str(d) for d in range(10)]
 
-    def __init__(self, *, val_fraction: float = 0.2, split_seed: int = 0, **kwargs):
+    @checked
+    def __init__(self, *, val_fraction: Annotated[float, Float(0, 1, low_open=True, high_open=True)] = 0.2,
+                 split_seed: Annotated[int, SEED] = 0, **kwargs):
         super().__init__(**kwargs)
         self.val_fraction, self.split_seed = val_fraction, split_seed
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from torch.utils.data import Dataset
+
+from ssogvit.inputs import IN_CHANS, Int, Text, checked
 
 from ._common import ClassificationDataModule, DataError
 
@@ -22,8 +25,10 @@ class ImageFolderDataModule(ClassificationDataModule):
 
     name = "imagefolder"
 
-    def __init__(self, *, root: str | Path | None = None, in_chans: int = 3, num_classes: int | None = None,
-                 train_dir: str = "train", val_dir: str = "val", **kwargs):
+    @checked
+    def __init__(self, *, root: str | Path | None = None, in_chans: Annotated[int, IN_CHANS] = 3,
+                 num_classes: Annotated[int | None, Int(1, 1_000_000, none=True)] = None,
+                 train_dir: Annotated[str, Text()] = "train", val_dir: Annotated[str, Text()] = "val", **kwargs):
         super().__init__(**kwargs)
         self.root, self.train_dir, self.val_dir = root, train_dir, val_dir
         self.in_chans = int(in_chans)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch.utils.data import Dataset
+
+from ssogvit.inputs import IN_CHANS, SEED, Flag, Int, checked
 
 from ._common import ClassificationDataModule
 
@@ -41,8 +45,10 @@ class SyntheticDataModule(ClassificationDataModule):
 
     name = "synthetic"
 
-    def __init__(self, *, num_classes: int = 10, in_chans: int = 3, train_size: int = 256, val_size: int = 64,
-                 seed: int = 0, learnable: bool = False, **kwargs):
+    @checked
+    def __init__(self, *, num_classes: Annotated[int, Int(1, 1_000_000)] = 10, in_chans: Annotated[int, IN_CHANS] = 3,
+                 train_size: Annotated[int, Int(1)] = 256, val_size: Annotated[int, Int(1)] = 64,
+                 seed: Annotated[int, SEED] = 0, learnable: Annotated[bool, Flag()] = False, **kwargs):
         super().__init__(**kwargs)
         self.num_classes, self.in_chans = int(num_classes), int(in_chans)
         self.classes = [str(c) for c in range(self.num_classes)]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssogvit import ops
+from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
 
 __all__ = ["Attention"]
 
@@ -24,19 +27,20 @@ class Attention(nn.Module):
         proj_drop: dropout after the output projection.
     """
 
+    @checked
     def __init__(
         self,
-        dim: int,
-        num_heads: int = 8,
+        dim: Annotated[int, EMBED_DIM],
+        num_heads: Annotated[int, NUM_HEADS] = 8,
         *,
-        qkv_bias: bool = True,
-        proj_bias: bool = True,
-        fused: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
+        qkv_bias: Annotated[bool, Flag()] = True,
+        proj_bias: Annotated[bool, Flag()] = True,
+        fused: Annotated[bool, Flag()] = True,
+        attn_drop: Annotated[float, DROP_RATE] = 0.0,
+        proj_drop: Annotated[float, DROP_RATE] = 0.0,
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
+        if dim % num_heads != 0:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.dim = dim
         self.num_heads = num_heads
@@ -56,7 +60,8 @@ class Attention(nn.Module):
         Args:
             x: ``(B, T, D)``.
             grid: ``(Gh, Gw)`` of the patch tokens, optional.
-            num_prefix_tokens: ``P``, checked with ``grid``: ``T`` must then be ``P + Gh*Gw``.
+            num_prefix_tokens: ``P``, checked with ``grid``: ``T`` must then be ``P + Gh*Gw``; without it at most one
+                prefix token is taken.
         """
         q, k, v = self._qkv(x, grid, num_prefix_tokens)
         if self.fused:
@@ -66,9 +71,10 @@ class Attention(nn.Module):
         b, t, d = x.shape
         return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
-    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None, *,
+                         num_prefix_tokens: int | None = None) -> Tensor:
         """The ``(B, H, T, T)`` attention probabilities for ``x`` (the explicit path; diagnostics)."""
-        q, k, _ = self._qkv(x, grid, None)
+        q, k, _ = self._qkv(x, grid, num_prefix_tokens)
         return self._probs(q, k)
 
     def _probs(self, q: Tensor, k: Tensor) -> Tensor:
@@ -80,7 +86,7 @@ class Attention(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is not None:
-            ops.check_grid(x.shape[1], grid, num_prefix_tokens)
+            ops.check_grid(x.shape[1], grid, num_prefix_tokens, max_implicit_prefix=1)
         b, t, _ = x.shape
         return self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, dh)
 

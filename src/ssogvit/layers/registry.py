@@ -35,7 +35,7 @@ def mixer_options(name: str) -> list[str]:
 
 
 def _lookup(name: str) -> tuple[type[nn.Module], dict[str, Any]]:
-    if name not in MIXERS:
+    if not isinstance(name, str) or name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; expected one of {list_mixers()}")
     return MIXERS[name]
 

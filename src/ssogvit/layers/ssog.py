@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 import math
+from collections.abc import Iterable, Mapping
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +12,16 @@ from torch import Tensor, nn
 
 from ssogvit import ops, reference
 from ssogvit.backends.torch import default_head_chunk
+from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
 
-__all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "is_ssog"]
+__all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "NUM_ATOMS", "RADIUS", "is_ssog"]
 
 STEER_PATHS = ("mu", "sigma", "lambda")
 SSOG_IMPLS = ops.SSOG_IMPLS
+#: Gaussian atoms per head R
+NUM_ATOMS = Int(1, 1024)
+#: steering radius M in grid cells
+RADIUS = Float(0, 1024, low_open=True)
 
 
 def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -66,45 +71,34 @@ class SSoGAttention(nn.Module):
             change and no gradient is needed (inference).
     """
 
+    @checked
     def __init__(
         self,
-        dim: int,
-        num_heads: int = 8,
+        dim: Annotated[int, EMBED_DIM],
+        num_heads: Annotated[int, NUM_HEADS] = 8,
         *,
-        num_atoms: int = 4,
+        num_atoms: Annotated[int, NUM_ATOMS] = 4,
         steer: str | Iterable[str] | None = (),
-        radius: float = 4.0,
-        sigma_min: float = 0.25,
-        tau_min: float = 0.5,
-        eps_sigma: float = 1e-4,
+        radius: Annotated[float, RADIUS] = 4.0,
+        sigma_min: Annotated[float, Float(0, low_open=True)] = 0.25,
+        tau_min: Annotated[float, Float(0, low_open=True)] = 0.5,
+        eps_sigma: Annotated[float, Float(0)] = 1e-4,
         gate_init: float | Mapping[str, float] = -8.0,
-        mu_init_std: float = 0.5,
-        rho_init: float = -0.5,
-        theta_init: float = -1.0,
-        per_head_temperature: bool = False,
-        bias: bool = True,
-        proj_bias: bool | None = None,
-        prefix_pool: str = "mean",
-        proj_drop: float = 0.0,
-        impl: str = "auto",
-        head_chunk: int | None = None,
-        cache_kernels: bool = True,
+        mu_init_std: Annotated[float, Float(0)] = 0.5,
+        rho_init: Annotated[float, Float()] = -0.5,
+        theta_init: Annotated[float, Float()] = -1.0,
+        per_head_temperature: Annotated[bool, Flag()] = False,
+        bias: Annotated[bool, Flag()] = True,
+        proj_bias: Annotated[bool | None, Flag(none=True)] = None,
+        prefix_pool: Annotated[str, Choice(("mean", "none"))] = "mean",
+        proj_drop: Annotated[float, DROP_RATE] = 0.0,
+        impl: Annotated[str, Choice(SSOG_IMPLS)] = "auto",
+        head_chunk: Annotated[int | None, Int(1, none=True)] = None,
+        cache_kernels: Annotated[bool, Flag()] = True,
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
+        if dim % num_heads != 0:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
-        if num_atoms < 1:
-            raise ValueError(f"num_atoms must be >= 1, got {num_atoms}")
-        if not sigma_min > 0:
-            raise ValueError(f"sigma_min must be > 0, got {sigma_min}")
-        if not tau_min > 0:
-            raise ValueError(f"tau_min must be > 0, got {tau_min}")
-        if not radius > 0:
-            raise ValueError(f"radius must be > 0, got {radius}")
-        if prefix_pool not in ("mean", "none"):
-            raise ValueError(f"unknown prefix_pool {prefix_pool!r}; expected 'mean' or 'none'")
-        if impl not in SSOG_IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; expected one of {SSOG_IMPLS}")
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -128,10 +122,12 @@ class SSoGAttention(nn.Module):
         self.ell = nn.Parameter(torch.zeros(h, r))
         self.theta = nn.Parameter(torch.full((h,) if per_head_temperature else (), float(theta_init)))
 
-        gates = dict(gate_init) if isinstance(gate_init, Mapping) else {p: float(gate_init) for p in STEER_PATHS}
+        gates = dict(gate_init) if isinstance(gate_init, Mapping) else {p: gate_init for p in STEER_PATHS}
         unknown = set(gates) - set(STEER_PATHS)
         if unknown:
             raise ValueError(f"unknown gate(s) {sorted(unknown)} in gate_init; expected keys from {STEER_PATHS}")
+        gates = {p: Float().check(v, f"gate_init[{p!r}]" if isinstance(gate_init, Mapping) else "gate_init")
+                 for p, v in gates.items()}
         out_features = {"mu": h * r * 2, "sigma": h * r * 2, "lambda": h * r}
         for path in self.steer:
             lin = nn.Linear(dim, out_features[path])
@@ -229,7 +225,8 @@ class SSoGAttention(nn.Module):
             x: ``(B, P + Gh*Gw, D)``, prefix tokens first, patches in raster order.
             grid: ``(Gh, Gw)``, two ints, required.
             num_prefix_tokens: ``P``, when the caller knows it (models pass it): a token count other than
-                ``P + Gh*Gw`` is then an error, never a reinterpretation of patches as prefix tokens.
+                ``P + Gh*Gw`` is then an error, never a reinterpretation of patches as prefix tokens. Without it, at
+                most one prefix token (a class token) is taken; more must be given.
         """
         if x.ndim != 3:
             raise ValueError(
@@ -239,7 +236,7 @@ class SSoGAttention(nn.Module):
             raise ValueError(f"last dimension of x is {x.shape[-1]}, expected dim={self.dim}")
         if grid is None:
             raise ValueError("SSoGAttention needs the patch grid: call attn(x, grid=(Gh, Gw))")
-        gh, gw, p = ops.check_grid(x.shape[1], grid, num_prefix_tokens)
+        gh, gw, p = ops.check_grid(x.shape[1], grid, num_prefix_tokens, max_implicit_prefix=1)
         if p and self.prefix_pool == "none":
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
@@ -264,9 +261,10 @@ class SSoGAttention(nn.Module):
         del values  # in inference the values are freed before the output projection allocates its result
         return self.proj_drop(self.proj(mixed))
 
-    def attention_matrix(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
-        """The dense mixing matrix ``(B, H, T, T)`` this mixer applies to ``x`` (built by ``ssogvit.reference``)."""
-        gh, gw, p = ops.check_grid(x.shape[1], grid)
+    def attention_matrix(self, x: Tensor, grid: tuple[int, int], *, num_prefix_tokens: int | None = None) -> Tensor:
+        """The dense mixing matrix ``(B, H, T, T)`` this mixer applies to ``x`` (built by ``ssogvit.reference``);
+        ``grid`` and ``num_prefix_tokens`` as in ``forward``."""
+        gh, gw, p = ops.check_grid(x.shape[1], grid, num_prefix_tokens, max_implicit_prefix=1)
         b = x.shape[0]
         if self.steer:
             mu, sigma, lam = self.geometry(x[:, p:])

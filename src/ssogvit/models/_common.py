@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -20,6 +20,22 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
+from ssogvit.inputs import (
+    DEPTH,
+    DROP_RATE,
+    EMBED_DIM,
+    IMG_SIZE,
+    IN_CHANS,
+    MLP_RATIO,
+    NUM_CLASSES,
+    NUM_HEADS,
+    NUM_REGISTERS,
+    PATCH_SIZE,
+    Choice,
+    IntOrPair,
+    check_memory,
+    checked,
+)
 from ssogvit.layers import create_mixer, is_ssog
 
 from . import transfer
@@ -231,22 +247,23 @@ class VisionTransformerBase(TimmVisionTransformer):
     #: one block's weights applied ``depth`` times (looped, ode) instead of ``depth`` blocks (vit)
     shared_block: ClassVar[bool] = False
 
+    @checked
     def __init__(
         self,
         *,
-        embed_dim: int = 768,
-        num_heads: int = 12,
-        depth: int = 12,
+        embed_dim: Annotated[int, EMBED_DIM] = 768,
+        num_heads: Annotated[int, NUM_HEADS] = 12,
+        depth: Annotated[int, DEPTH] = 12,
         mixer: str = "mha",
         mixer_options: dict[str, Any] | None = None,
-        img_size: int | tuple[int, int] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        num_classes: int = 1000,
-        num_registers: int = 0,
-        global_pool: str = "token",
-        drop_path_rate: float = 0.0,
-        mlp_ratio: float = 4.0,
+        img_size: Annotated[int | tuple[int, int], IntOrPair(IMG_SIZE)] = 224,
+        patch_size: Annotated[int, PATCH_SIZE] = 16,
+        in_chans: Annotated[int, IN_CHANS] = 3,
+        num_classes: Annotated[int, NUM_CLASSES] = 1000,
+        num_registers: Annotated[int, NUM_REGISTERS] = 0,
+        global_pool: Annotated[str, Choice(GLOBAL_POOLS)] = "token",
+        drop_path_rate: Annotated[float, DROP_RATE] = 0.0,
+        mlp_ratio: Annotated[float, MLP_RATIO] = 4.0,
         name: str | None = None,
         **options: Any,
     ) -> None:
@@ -262,17 +279,10 @@ class VisionTransformerBase(TimmVisionTransformer):
         )
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        if num_registers < 0:
-            raise ValueError(f"num_registers must be >= 0, got {num_registers}")
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
-        if global_pool not in GLOBAL_POOLS:
-            raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS}")
         img_size = _image_size(img_size)
-        if patch_size < 1 or img_size[0] < patch_size or img_size[1] < patch_size:
+        if img_size[0] < patch_size or img_size[1] < patch_size:
             raise ValueError(f"patch_size {patch_size} does not fit img_size {img_size}")
+        self._check_parameter_memory(embed_dim, depth, img_size, patch_size, in_chans, num_classes, mlp_ratio)
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
             name = f"{self.family}-{size}-{mixer}"
@@ -305,6 +315,19 @@ class VisionTransformerBase(TimmVisionTransformer):
         )
         self._set_steps(self._steps(self.blocks, drop_path_rate=drop_path_rate))
         self.init_weights()
+
+    def _check_parameter_memory(self, embed_dim: int, depth: int, img_size: tuple[int, int], patch_size: int,
+                                in_chans: int, num_classes: int, mlp_ratio: float) -> None:
+        """Refuse, before allocating, a model whose parameters alone cannot fit in this machine's memory (counted
+        from below: the blocks' projections and MLPs, patch and position embeddings, head; not on the meta device)."""
+        if torch.get_default_device().type == "meta":
+            return
+        d, blocks = embed_dim, 1 if self.shared_block else depth
+        tokens = (img_size[0] // patch_size) * (img_size[1] // patch_size) + 1
+        n = blocks * (2 + 2 * mlp_ratio) * d * d + in_chans * patch_size**2 * d + tokens * d + d * num_classes
+        nbytes = n * torch.get_default_dtype().itemsize
+        check_memory(nbytes, f"a model of at least {n:,.0f} parameters",
+                     f"embed_dim={embed_dim}, depth={depth}, img_size={img_size}, patch_size={patch_size}")
 
     # -- what a family supplies ------------------------------------------------------------------------------------
 

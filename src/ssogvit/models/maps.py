@@ -36,7 +36,8 @@ def record_attention(model: nn.Module) -> Iterator[list[Tensor]]:
 
     def hook(mixer: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> None:
         grid = kwargs.get("grid", args[1] if len(args) > 1 else None)
-        maps.append(mixer.attention_matrix(args[0] if args else kwargs["x"], grid))
+        prefix = kwargs.get("num_prefix_tokens")
+        maps.append(mixer.attention_matrix(args[0] if args else kwargs["x"], grid, num_prefix_tokens=prefix))
 
     mixers = [m for m in model.modules() if callable(getattr(m, "attention_matrix", None))]
     if not mixers:

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 from torchdiffeq._impl.odeint import SOLVERS  # the solver classes, for their own step functions (see Flow)
 
+from ssogvit.inputs import Flag, Float, Text, check_args
+
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 
 __all__ = ["ODEViT", "Flow", "FIXED_GRID_SOLVERS", "ADAPTIVE_SOLVERS", "NORMS", "STEPPED_SOLVERS"]
@@ -25,6 +27,9 @@ FIXED_GRID_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4", "explicit_ad
 ADAPTIVE_SOLVERS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 #: norm option -> constructor for the two norms ``N1``, ``N2`` inside the field.
 NORMS = {"layernorm": layer_norm, "centernorm": CenterNorm}
+#: the family's own options, declared (``ssogvit.inputs``); solver and norm names are checked against the lists above
+OPTION_SPECS = {"solver": Text(), "norm": Text(), "scale": Float(0, low_open=True, none=True),
+                "rtol": Float(0, low_open=True), "atol": Float(0, low_open=True), "adjoint": Flag()}
 
 
 #: fixed-grid solvers whose steps are self-contained: the model takes them one grid interval at a time with
@@ -160,15 +165,14 @@ class ODEViT(VisionTransformerBase):
     shared_block = True
 
     def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:
-        solver, norm, rtol, atol = options["solver"], options["norm"], options["rtol"], options["atol"]
+        options = check_args(OPTION_SPECS, options)
+        solver, norm = options["solver"], options["norm"]
         if solver not in FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; expected one of {FIXED_GRID_SOLVERS + ADAPTIVE_SOLVERS}")
         if norm.lower() not in NORMS:
             raise ValueError(f"unknown norm {norm!r}; expected one of {tuple(NORMS)}")
         if drop_path_rate:
             raise ValueError("drop_path_rate is not supported by the ode family (must be 0)")
-        if not (rtol > 0 and atol > 0):
-            raise ValueError(f"rtol and atol must be > 0, got rtol={rtol}, atol={atol}")
         return {**options, "norm": norm.lower()}
 
     def _block_norm(self, options: dict[str, Any]) -> Callable[[int], nn.Module]:

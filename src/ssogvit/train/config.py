@@ -9,6 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, InputError, Int, Spec
+
 from .errors import ConfigError
 
 __all__ = [
@@ -165,77 +167,68 @@ def model_config_from(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-def _number(low: float, high: float, *, integer: bool = False, low_open: bool = False, high_open: bool = False,
-            allow_null: bool = False):
-    """A check for a number in [low, high] (open ends as asked): returns what was expected, or None if `value` fits."""
-    def check(value: Any) -> str | None:
-        expected = (f"{'an integer' if integer else 'a number'} in {'(' if low_open else '['}{low}, {high}"
-                    f"{')' if high_open else ']'}" + (" or null" if allow_null else ""))
-        if value is None:
-            return None if allow_null else expected
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return expected
-        if integer and not float(value).is_integer():
-            return expected
-        if not math.isfinite(value) and not (value == high == math.inf):
-            return expected
-        above = value > low if low_open else value >= low
-        below = value < high if high_open else value <= high
-        return None if above and below else expected
-    return check
-
-
-def _one_of(*choices: Any):
-    def check(value: Any) -> str | None:
-        return None if value in choices else f"one of {list(choices)}"
-    return check
-
-
 INF = math.inf
-# Ranges of the run config's values, checked before a launch writes anything (`check_run_config`). Lightning, timm
-# and torch refuse most of these too, but only once training has started, and with a traceback.
-RUN_CONFIG_RULES: dict[str, Any] = {
-    "seed": _number(0, 2**32 - 1, integer=True),
-    "trainer.max_epochs": lambda v: None if v == -1 else _number(1, INF, integer=True)(v),  # -1: by max_steps
-    "trainer.accumulate_grad_batches": _number(1, INF, integer=True),
-    "trainer.gradient_clip_val": _number(0, INF, allow_null=True),
-    "trainer.check_val_every_n_epoch": _number(1, INF, integer=True),
-    "data.batch_size": _number(1, INF, integer=True),
-    "data.num_workers": _number(0, INF, integer=True),
-    "optim.lr": _number(0, INF, low_open=True, high_open=True),
-    "optim.lr_base_batch": _number(0, INF, low_open=True, high_open=True, allow_null=True),
-    "optim.weight_decay": _number(0, INF, high_open=True),
-    "sched.warmup_epochs": _number(0, INF, high_open=True),
-    "sched.warmup_lr": _number(0, INF, high_open=True),
-    "sched.min_lr": _number(0, INF, high_open=True),
-    "loss.smoothing": _number(0, 1, high_open=True),
-    "loss.jasmin.weight": _number(0, INF, high_open=True),
-    "loss.jasmin.reduce": _one_of("mean", "max"),
-    "mixup.mixup_alpha": _number(0, INF, high_open=True),
-    "mixup.cutmix_alpha": _number(0, INF, high_open=True),
-    "mixup.prob": _number(0, 1),
-    "mixup.switch_prob": _number(0, 1),
-    "ema.decay": _number(0, 1),
-    "ckpt.every_n_train_steps": _number(1, INF, integer=True, allow_null=True),
-    "ckpt.keep": _number(0, INF, integer=True),
+# The run config's values, checked before a launch writes anything (`check_run_config`), with the declarations of
+# `ssogvit.inputs` (one per argument: `data.img_size` is `create_model`'s `img_size` and `eval --img-size`). Lightning,
+# timm and torch refuse most of these too, but only once training has started, and with a traceback. The model's
+# own values (`model.kwargs.*`) are checked by its constructor, with the same declarations.
+RUN_CONFIG_RULES: dict[str, Spec] = {
+    "seed": SEED,
+    "trainer.max_epochs": Int(1, also=(-1,)),  # -1: by max_steps
+    "trainer.max_steps": Int(1, also=(-1,)),
+    "trainer.accumulate_grad_batches": Int(1),
+    "trainer.gradient_clip_val": Float(0, none=True),
+    "trainer.check_val_every_n_epoch": Int(1),
+    "trainer.log_every_n_steps": Int(1),
+    "trainer.num_nodes": Int(1, 100_000),
+    "trainer.deterministic": Flag(),
+    "trainer.enable_progress_bar": Flag(),
+    "data.img_size": IMG_SIZE,
+    "data.batch_size": BATCH_SIZE,
+    "data.eval_batch_size": Int(1, 1 << 20, none=True),
+    "data.num_workers": NUM_WORKERS,
+    "data.num_classes": Int(0, 1_000_000, none=True),
+    "data.in_chans": Int(1, 1024, none=True),
+    "optim.lr": Float(0, low_open=True),
+    "optim.lr_base_batch": Float(0, low_open=True, none=True),
+    "optim.weight_decay": Float(0),
+    "optim.eps": Float(0),
+    "sched.warmup_epochs": Float(0),
+    "sched.warmup_lr": Float(0),
+    "sched.min_lr": Float(0),
+    "loss.smoothing": Float(0, 1, high_open=True),
+    "loss.jasmin.weight": Float(0),
+    "loss.jasmin.reduce": Choice(("mean", "max")),
+    "mixup.mixup_alpha": Float(0),
+    "mixup.cutmix_alpha": Float(0),
+    "mixup.prob": Float(0, 1),
+    "mixup.switch_prob": Float(0, 1),
+    "ema.enabled": Flag(),
+    "ema.decay": Float(0, 1),
+    "ckpt.every_n_train_steps": Int(1, none=True),
+    "ckpt.keep": Int(0),
     # best.ckpt keeps the highest value, so only accuracies can be monitored
-    "ckpt.monitor": _one_of("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3", "val_ema/top5"),
-    "transfer.mode": _one_of("finetune", "linear"),
+    "ckpt.monitor": Choice(("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3",
+                                    "val_ema/top5")),
+    "export.safetensors": Flag(),
+    "transfer.mode": Choice(("finetune", "linear")),
+    "transfer.use_ema": Flag(),
 }
 
 
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` naming the first value of `cfg` outside `RUN_CONFIG_RULES` (and an unknown optimizer, an
-    empty `output_dir`, EMA metrics monitored without EMA)."""
+    """Raise `ConfigError` naming the first value of `cfg` that `RUN_CONFIG_RULES` refuses (and an unknown optimizer,
+    an empty `output_dir`, EMA metrics monitored without EMA)."""
     from .errors import ConfigError
 
-    for key, check in RUN_CONFIG_RULES.items():
+    for key, spec in RUN_CONFIG_RULES.items():
         value = OmegaConf.select(cfg, key, default="<absent>")
         if value == "<absent>":
             continue
-        expected = check(value)
-        if expected:
-            raise ConfigError(f"{key}={value!r} is not valid: expected {expected}")
+        try:
+            spec.check(value, key)
+        except InputError as err:
+            raise ConfigError(str(err)) from None
     from timm.optim import list_optimizers
 
     if str(cfg.optim.opt).lower() not in list_optimizers():

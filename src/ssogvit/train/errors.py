@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ssogvit.outputs import FolderError
+
 __all__ = ["TrainError", "CheckpointError", "RunFolderError", "NonFiniteError", "ConfigError"]
 
 
@@ -13,8 +15,8 @@ class CheckpointError(TrainError):
     """A checkpoint or export cannot be read (missing, truncated, corrupt, refused, not ours or out of limits)."""
 
 
-class RunFolderError(TrainError):
-    """The output folder holds a finished or different run, or another live run is writing to it."""
+#: the output folder holds a finished or different run, or another live run is writing to it (`ssogvit.outputs`)
+RunFolderError = FolderError
 
 
 class NonFiniteError(TrainError):

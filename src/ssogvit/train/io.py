@@ -1,4 +1,4 @@
-"""Checkpoints and exported weights: read safely, write atomically.
+"""Checkpoints and exported weights: read safely, written atomically, each with a digest of its contents.
 
 Two formats hold a trained model:
 
@@ -8,17 +8,18 @@ Two formats hold a trained model:
   config beside it as JSON (`model.json`) and also in the safetensors header.
 
 Both are read without executing code from the file: checkpoints with `torch.load(weights_only=True)`, exports with
-`safetensors`. The model is rebuilt from the config with `ssogvit.models.create_model`.
+`safetensors`. Both carry a SHA-256 digest of their contents (`content_digest`), written with them and checked on
+every load (and so before every resume): a file that fails it is refused, naming the file, and never loaded. The
+model is rebuilt from the config, checked first (`ssogvit.inputs.check_model_config`), with
+`ssogvit.models.create_model`; weights that are not finite are refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
-import os
 import pickle
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,25 +27,75 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ssogvit.models import create_model, list_models
+from ssogvit.inputs import MAX_PARAMETERS, InputError, check_device, input_file, read_document
+from ssogvit.inputs import check_model_config as _check_model_config
+from ssogvit.models import create_model
+from ssogvit.outputs import atomic_write
 
-from .errors import CheckpointError
+from .errors import CheckpointError, NonFiniteError
 
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
     "read_model_config", "check_checkpoint",
     "check_model_config", "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
-    "MODEL_LIMITS", "MAX_PARAMETERS",
+    "content_digest", "DIGEST_KEY", "MAX_PARAMETERS",
 ]
 
-# Bounds a model config read from a file must respect before a model is built from it: generous for any real
-# model (ViT-g/14 has 1.0e9 parameters), tight enough that a small file cannot make us allocate gigabytes.
-MODEL_LIMITS: dict[str, tuple[float, float]] = {
-    "embed_dim": (1, 8192), "num_heads": (1, 256), "depth": (1, 1024), "img_size": (1, 16384),
-    "patch_size": (1, 1024), "num_classes": (0, 1_000_000), "in_chans": (1, 1024), "mlp_ratio": (0, 64),
-    "num_registers": (0, 1024), "num_atoms": (1, 1024), "radius": (0, 1024),
-}
-MAX_PARAMETERS = 1_000_000_000
+#: where a checkpoint (and an export's header) keeps the digest of the rest of its contents
+DIGEST_KEY = "ssogvit_digest"
+
+
+def content_digest(obj: Any) -> str:
+    """SHA-256 of a checkpoint's contents: every tensor's dtype, shape and bytes, and every plain value, walked in a
+    fixed order (dict keys sorted), so the digest of what was saved equals that of what a load gives back."""
+    h = hashlib.sha256()
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Tensor):
+            t = node.detach().cpu().contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(node.shape)}|".encode())
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+        elif isinstance(node, Mapping):
+            keys = sorted(node, key=lambda k: (type(k).__name__, repr(k)))
+            h.update(f"D{len(keys)}|".encode())
+            for key in reversed(keys):  # popped in sorted order
+                stack += [node[key], key]
+        elif isinstance(node, (list, tuple)):
+            h.update(f"{'L' if isinstance(node, list) else 'U'}{len(node)}|".encode())
+            stack += reversed(node)
+        else:
+            h.update(f"{type(node).__name__}:{node!r}|".encode())
+    return h.hexdigest()
+
+
+def _check_digest(contents: Mapping[str, Any], recorded: Any, path: Path) -> None:
+    if recorded is None:
+        return  # written before digests (or not by ssogvit's writers): nothing to compare
+    body = {k: v for k, v in contents.items() if k != DIGEST_KEY}
+    if recorded != content_digest(body):
+        raise CheckpointError(f"{path} fails its integrity check (the SHA-256 digest written with it does not match "
+                              f"its contents): the file was changed or damaged after it was written, and was not "
+                              f"loaded{_others(path)}")
+
+
+def _others(path: Path) -> str:
+    others = [str(p) for p in list_checkpoints(path.parent) if p.resolve() != path.resolve()]
+    return f"; other checkpoints in {path.parent}: {others}" if others else ""
+
+
+def _checkpoint_file(path: str | Path, what: str = "checkpoint") -> Path:
+    """`path` if it is a readable file; a `CheckpointError` that names a folder as a folder (and, for a run folder,
+    the files in it that hold weights)."""
+    p = Path(path).expanduser()
+    try:
+        return input_file(p, what)
+    except InputError as err:
+        hint = ""
+        if p.is_dir():
+            found = [q for q in (p / "checkpoints" / "best.ckpt", p / "export" / "model.safetensors") if q.is_file()]
+            hint = f"; give a file in it, e.g. {found[0]}" if found else "; give a .ckpt or .safetensors file"
+        raise CheckpointError(f"{str(err).removeprefix(f'{what}: ')}{hint}") from None
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
@@ -55,31 +106,34 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *,
                     mmap: bool = False) -> dict[str, Any]:
-    """A Lightning checkpoint as a dict, loaded with `weights_only=True`; `CheckpointError` if it is unreadable.
+    """A Lightning checkpoint as a dict, loaded with `weights_only=True` and its digest checked; `CheckpointError`
+    if it is missing, a folder, unreadable, damaged or not ours (`map_location` must be a device this machine has).
 
     Args:
         mmap: map the tensors from the file instead of reading them (a cheap look at a large checkpoint).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+    path = _checkpoint_file(path)
+    try:
+        check_device(map_location, "map_location")
+    except InputError as err:
+        raise CheckpointError(f"cannot load {path}: {err}") from None
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, bad pickle, disallowed global, ...
-        others = [str(p) for p in list_checkpoints(path.parent) if p.resolve() != path.resolve()]
-        hint = f"; other checkpoints in {path.parent}: {others}" if others else ""
         refused = re.search(r"GLOBAL (\S+)", str(err))
         if isinstance(err, pickle.UnpicklingError) and (refused or "Weights only load failed" in str(err)):
             # torch's own text suggests retrying with weights_only=False; a file that needs it is not ours to run
             what = f"it asks to run {refused.group(1)}" if refused else "it holds objects other than tensors and data"
             raise CheckpointError(f"refused to load {path}: {what}, which a safe (weights-only) load never executes; "
-                                  f"this file was not written by ssogvit. It was left in place{hint}.") from None
+                                  f"this file was not written by ssogvit. It was left in place{_others(path)}."
+                                  ) from None
         raise CheckpointError(
             f"cannot read checkpoint {path} ({path.stat().st_size} bytes): it is truncated or corrupt "
-            f"({type(err).__name__}). It was left in place{hint}."
+            f"({type(err).__name__}). It was left in place{_others(path)}."
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+    _check_digest(ckpt, ckpt.get(DIGEST_KEY), path)
     return ckpt
 
 
@@ -95,23 +149,45 @@ def _config_from_ckpt(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, An
     return check_model_config(dict(hp["model_config"]), source=path)
 
 
-def _read_export_config(path: Path) -> dict[str, Any]:
-    try:
-        for side in (path.with_suffix(".json"), path.parent / "config.json"):
-            if side.is_file():
-                meta = json.loads(side.read_text())
-                config = meta.get("model_config", meta) if isinstance(meta, dict) else None
-                if not isinstance(config, dict):
-                    raise CheckpointError(f"{side} holds no model_config object")
-                return check_model_config(config, source=side)
-        from safetensors import safe_open
+def _export_meta(path: Path) -> tuple[dict[str, Any], Path | None]:
+    """The JSON beside an export (`model.json`, or `config.json` of a saved folder) and where it was, if any."""
+    for side in (path.with_suffix(".json"), path.parent / "config.json"):
+        if side.is_file():
+            try:
+                meta = read_document(side, "export config")
+            except InputError as err:
+                raise CheckpointError(f"cannot read the config of {path}: {err}") from None
+            if not isinstance(meta, dict):
+                raise CheckpointError(f"{side} holds no model_config object")
+            return meta, side
+    return {}, None
 
+
+def _safetensors_header(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if "model_config" in meta:
-            return check_model_config(json.loads(meta["model_config"]), source=path)
-    except (ValueError, OSError) as err:  # bad JSON, unreadable header
-        raise CheckpointError(f"cannot read the config of {path} ({type(err).__name__}: {err})") from None
+            return dict(f.metadata() or {})
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
+        raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0]}): it is "
+                              "truncated or corrupt") from None
+
+
+def _read_export_config(path: Path) -> dict[str, Any]:
+    meta, side = _export_meta(path)
+    if side is not None:
+        config = meta.get("model_config", meta)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{side} holds no model_config object")
+        return check_model_config(config, source=side)
+    header = _safetensors_header(path)
+    if "model_config" in header:
+        try:
+            config = json.loads(header["model_config"])
+        except ValueError as err:
+            raise CheckpointError(f"cannot read the config of {path} ({type(err).__name__}: {err})") from None
+        return check_model_config(config, source=path)
     raise CheckpointError(f"no config for {path}: expected {path.with_suffix('.json')} beside it")
 
 
@@ -129,56 +205,56 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def check_model_config(config: Any, *, source: str | Path = "the model config") -> dict[str, Any]:
-    """`config` if it names a known model within `MODEL_LIMITS` and `MAX_PARAMETERS`; `CheckpointError` otherwise.
-
-    Run on every config read from a file before a model is built from it: the parameter count is that of the model
-    built on the meta device (shapes only, no memory).
-    """
-    if not isinstance(config, dict) or not isinstance(config.get("name"), str):
-        raise CheckpointError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}")
-    if config["name"] not in list_models():
-        raise CheckpointError(f"{source}: unknown model {config['name']!r} (see `ssogvit list models`)")
-    for key, (low, high) in MODEL_LIMITS.items():
-        value = config.get(key)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for v in values if value is not None else []:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
-                raise CheckpointError(f"{source}: model_config {key}={value!r} is outside the limits [{low}, {high}]")
+    """`config` if it names a model of ours within its declared ranges and `MAX_PARAMETERS`; `CheckpointError`
+    otherwise (`ssogvit.inputs.check_model_config`, the one validator of model configs read from files)."""
     try:
-        with torch.device("meta"):
-            n = count_parameters(build_model(config))
-    except (ValueError, TypeError, RuntimeError) as err:
-        raise CheckpointError(f"{source}: model_config does not build: {str(err).splitlines()[0]}") from None
-    if n > MAX_PARAMETERS:
-        raise CheckpointError(f"{source}: model_config asks for {n:,} parameters ({4 * n / 1e9:.1f} GB in fp32), "
-                              f"more than the limit of {MAX_PARAMETERS:,}")
-    return config
+        return _check_model_config(config, source=source)
+    except InputError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _is_ema_export(path: Path, meta: Mapping[str, Any]) -> bool:
+    return meta.get("weights") == "ema" or path.stem.endswith("_ema")
 
 
 def read_state_dict(path: str | Path, *, use_ema: bool = False,
                     map_location: str | torch.device = "cpu") -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The model's weights and its config dict from a `.ckpt` or a `.safetensors` export.
+    """The model's weights and its config dict from a `.ckpt` or a `.safetensors` export, digests checked.
 
     Args:
-        use_ema: from a checkpoint trained with EMA, take the EMA weights.
+        use_ema: take the EMA weights: from a checkpoint trained with EMA, or an EMA export (`model_ema.safetensors`);
+            an export of the raw weights is refused, naming the EMA export beside it.
     """
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        if not path.is_file():
-            raise CheckpointError(f"export {path} does not exist")
-        from safetensors.torch import load_file
+    path = Path(path).expanduser()
+    if path.suffix != ".safetensors":
+        ckpt = read_checkpoint(path, map_location)
+        config = _config_from_ckpt(ckpt, path)
+        prefix = "ema.module." if use_ema else "model."
+        state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        if not state:
+            raise CheckpointError(f"{path} has no weights under {prefix!r}" + (" (trained without EMA?)" if use_ema
+                                                                             else ""))
+        return state, config
+    path = _checkpoint_file(path, "export")
+    try:
+        check_device(map_location, "map_location")
+    except InputError as err:
+        raise CheckpointError(f"cannot load {path}: {err}") from None
+    meta, _ = _export_meta(path)
+    if use_ema and not _is_ema_export(path, meta):
+        ema = path.with_name(f"{path.stem}_ema.safetensors")
+        where = (f"its EMA weights are in {ema}" if ema.is_file()
+                 else "no EMA export is beside it (trained without EMA?)")
+        raise CheckpointError(f"use_ema=True: {path} holds the raw weights of a run, not its EMA weights; {where}")
+    config = _read_export_config(path)
+    header = _safetensors_header(path)
+    from safetensors.torch import load_file
 
-        try:
-            state = load_file(str(path), device=str(map_location))
-        except Exception as err:
-            raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err})") from err
-        return state, _read_export_config(path)
-    ckpt = read_checkpoint(path, map_location)
-    config = _config_from_ckpt(ckpt, path)
-    prefix = "ema.module." if use_ema else "model."
-    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    if not state:
-        raise CheckpointError(f"{path} has no weights under {prefix!r}" + (" (trained without EMA?)" if use_ema else ""))
+    try:
+        state = load_file(str(path), device=str(map_location))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+        raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    _check_digest(state, header.get(DIGEST_KEY), path)
     return state, config
 
 
@@ -186,62 +262,44 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
     """The config dict (`create_model(**config)`) of a checkpoint or export."""
     path = Path(path)
     if path.suffix == ".safetensors":
-        return _read_export_config(path)
+        return _read_export_config(_checkpoint_file(path, "export"))
     return _config_from_ckpt(read_checkpoint(path), path)
+
+
+def _check_finite(state: Mapping[str, Tensor], path: Path) -> None:
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NonFiniteError(f"{path} holds non-finite weights in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''}): the run it comes from diverged; it was not loaded")
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu", *, use_ema: bool = False) -> nn.Module:
     """Rebuild a trained model from a Lightning `.ckpt` or an exported `.safetensors` (config beside it).
 
-    Nothing from the file is executed: the checkpoint is read with `weights_only=True`, the model is built by
-    `create_model(**config)` and the weights are loaded strictly. Returns the model in eval mode.
+    Nothing from the file is executed: the checkpoint is read with `weights_only=True`, its digest checked, the
+    config checked (`check_model_config`), the model built by `create_model(**config)` and the weights (all finite)
+    loaded strictly. Returns the model in eval mode.
+
+    Raises:
+        CheckpointError: a missing, damaged or foreign file, a folder, a device this machine lacks, `use_ema` on an
+            export of the raw weights, weights that do not fit the config.
+        NonFiniteError: weights holding NaN or infinity.
     """
+    path = Path(path).expanduser()
     state, config = read_state_dict(path, use_ema=use_ema, map_location=map_location)
+    _check_finite(state, path)
     model = build_model(config)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise CheckpointError(f"weights in {path} do not fit the model {config.get('name')}: {err}") from err
+        raise CheckpointError(f"weights in {path} do not fit the model {config.get('name')}: "
+                              f"{str(err).splitlines()[0]}") from None
     return model.to(map_location).eval()
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | Path, write) -> None:
-    """`write(tmp)` to a temporary file in `path`'s folder, flush it to disk, then rename it over `path`.
-
-    The rename is atomic on a POSIX file system, so `path` holds either the old or the new content, never a mix, even
-    if the process dies mid-write; the temporary file is removed on failure (a kill leaves `.<name>.*.tmp`, which
-    the next launch into the run folder removes). The file gets the mode an ordinary `open` would give
-    (`0o666` less the umask, where `mkstemp` alone gives 0600), and the folder is fsynced after the rename so the
-    new name survives a power cut.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # after the write: a writer may replace the file (safetensors does)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def atomic_checkpoint_io():
-    """A Lightning `CheckpointIO` that writes each checkpoint atomically (temporary file in the same folder + rename).
+    """A Lightning `CheckpointIO` that writes each checkpoint atomically (temporary file in the same folder + rename)
+    with the digest of its contents (`content_digest`), and checks that digest whenever Lightning loads one.
 
     Lightning's own save goes through a temporary file in the system temp folder, which is only renamed atomically
     when that folder is on the same file system as the checkpoints; this one always is.
@@ -252,16 +310,27 @@ def atomic_checkpoint_io():
         def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
             if storage_options is not None:
                 raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-            atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
+            body = {k: v for k, v in checkpoint.items() if k != DIGEST_KEY}
+            sealed = {**body, DIGEST_KEY: content_digest(body)}
+            atomic_write(Path(path), lambda tmp: torch.save(sealed, tmp), overwrite=True)
+
+        def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> Any:
+            ckpt = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            if isinstance(ckpt, Mapping):
+                _check_digest(ckpt, ckpt.get(DIGEST_KEY), Path(path))
+            return ckpt
 
     return AtomicCheckpointIO()
 
 
-def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str, Any] | None = None) -> Path:
-    """Write `model`'s weights to `path` (`.safetensors`) and its config to the `.json` beside it, atomically.
+def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str, Any] | None = None,
+                       overwrite: bool = True) -> Path:
+    """Write `model`'s weights to `path` (`.safetensors`, with the digest of its tensors in the header) and its
+    config to the `.json` beside it, atomically.
 
     Args:
         extra: more JSON-able facts to store beside the config (metrics, data normalisation, classes...).
+        overwrite: replace files that exist (a run rewrites its own export).
     """
     from safetensors.torch import save_file
 
@@ -270,10 +339,10 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        from .errors import NonFiniteError
-
         raise NonFiniteError(f"refusing to export {path}: {len(bad)} tensors hold non-finite values ({bad[0]}, ...)")
     meta = {"model_config": config, **dict(extra or {})}
-    atomic_write(path, lambda tmp: save_file(state, tmp, metadata={"model_config": json.dumps(config)}))
-    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2, default=str)))
+    header = {"model_config": json.dumps(config), DIGEST_KEY: content_digest(state)}
+    atomic_write(path, lambda tmp: save_file(state, tmp, metadata=header), overwrite=overwrite)
+    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2, default=str)),
+                 overwrite=overwrite)
     return path

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
-from .errors import ConfigError, TrainError
-from .io import (
-    atomic_checkpoint_io,
-    atomic_write,
-    check_checkpoint,
-    count_parameters,
-    export_safetensors,
-    read_model_config,
-)
+from ssogvit.outputs import RunFolder
+
+from .errors import ConfigError
+from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
 from .module import ClassificationModule
 from .resume import EpochEndCheckpoint, check_resumable, save_resumable
-from .run_folder import RunLock, decide_resume, prune_logs, remove_stale_temp_files, write_run_state
+from .run_folder import prune_logs
 
-__all__ = ["train", "build_trainer", "build_datamodule", "resolve_precision", "resolve_resume", "format_summary"]
+__all__ = ["train", "build_trainer", "build_datamodule", "fit", "resolve_precision", "resolve_resume",
+           "format_summary"]
 
 NO_RESUME = (None, False, "null", "none", "false")
 
@@ -213,33 +210,62 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
         return _fit(cfg, output_dir, trainer, dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
-    with RunLock(output_dir):
-        resume = decide_resume(output_dir, resume_setting, config)
+    folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
+    with folder.lock():
+        resume = folder.decide_resume(resume_setting, config)
         if resume is not None:
             ckpt = check_resumable(resume, module.hparams["model_config"])
             epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
             del ckpt
         else:
             epoch, step = -1, 0
-        remove_stale_temp_files(output_dir)
         prune_logs(output_dir, epoch=epoch, step=step)
-        atomic_write(output_dir / "config.yaml", lambda tmp: OmegaConf.save(cfg, tmp, resolve=True))
-        write_run_state(output_dir, "running", pid=os.getpid(), resumed_from=resume)
+        folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if verbose and resume:
             print(f"resuming from {resume} ({epoch + 1} epochs done, step {step})")
         summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
-        write_run_state(output_dir, "finished", epochs=summary["epochs"], steps=summary["steps"],
-                        best=summary["best"], export=summary["export"])
+        folder.write_state("finished", epochs=summary["epochs"], steps=summary["steps"], best=summary["best"],
+                           export=summary["export"])
     if verbose:
         print(format_summary(summary))
     return summary
 
 
+def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
+    """`trainer.fit`, ending with one line when SIGINT or SIGTERM stops it (`ssogvit.errors.Interrupted`: what the
+    folder holds and how to go on); Lightning's own ending there is `sys.exit(1)` or a traceback."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ssogvit.errors import Interrupted
+
+    signum = None
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
+    except Interrupted as err:
+        signum = err.signum
+    except SIGTERMException:
+        signum = signal.SIGTERM
+    except SystemExit:  # Lightning's ending of a KeyboardInterrupt (our `Interrupted`) during fit
+        if not trainer.interrupted:
+            raise
+        signum = signal.SIGTERM if trainer.received_sigterm else signal.SIGINT
+    if signum is None and not trainer.interrupted:
+        return
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        from .io import read_checkpoint
+
+        epochs = int(read_checkpoint(last, mmap=True).get("epoch", 0))
+        detail = (f"{last} ({epochs} epoch(s) done) resumes the run exactly: launch the same command again "
+                  "(resume=auto)")
+    else:
+        detail = f"no epoch of the run in {output_dir} had ended: launching the same command again starts it afresh"
+    raise Interrupted(int(signum or signal.SIGINT), detail)
+
+
 def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str, Any], module: ClassificationModule,
          resume: str | None, start: float) -> dict[str, Any]:
-    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
-    if trainer.interrupted:
-        raise TrainError(f"the run in {output_dir} was interrupted; resume it with resume=auto")
+    fit(trainer, module, dm, resume, output_dir)
     save_resumable(trainer, output_dir / "checkpoints" / "last.ckpt")  # the final state, whatever saved last
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
@@ -270,7 +296,8 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
             ema_model = module.ema.module
             if not hasattr(ema_model, "config"):
                 ema_model.config = module.model.config
-            export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors", extra=extra)
+            export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors",
+                               extra={**extra, "weights": "ema"})
         summary["export"] = str(path)
     return summary
 

@@ -1,157 +1,54 @@
-"""A run folder belongs to one run: what it holds, who writes to it, and whether a launch may use it.
+"""A training run's folder: `ssogvit.outputs.RunFolder` for `train` and `transfer`, and what only training needs.
 
 Besides the run's files (`config.yaml`, `checkpoints/`, `logs/`, `tb/`, `export/`, see `ssogvit.train.run`), the
-folder holds two of its own:
+folder holds two of its own (`ssogvit.outputs`):
 
-    .lock      held with `fcntl.flock` by the live run writing to the folder; the OS releases it when that process
-               exits or dies, so a killed run never leaves a stale lock
-    run.json   {"status": "running" | "finished", ...}: "finished" once the final checkpoint and export are written
+    .ssogvit.lock  held with `fcntl.flock` by the live run writing to the folder; the OS releases it when that process
+                   exits or dies, so a killed run never leaves a stale lock
+    run.json       {"status": "running" | "finished", "command": "train", ...}: "finished" once the final
+                   checkpoint and export are written
 
-A launch may use a folder that holds no run, or resume the unfinished run it holds when the configs match
-(`decide_resume`); anything else is a `RunFolderError` whose one line says how to resume or where to write instead.
+A launch may use a folder that holds no run, or resume the unfinished run of the same command it holds when the
+configs match (`decide_resume`); anything else is a `RunFolderError` whose one line says how to resume or where to
+write instead.
 """
 
 from __future__ import annotations
 
 import csv
-import fcntl
-import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from ssogvit.outputs import IGNORED_KEYS, LOCK_NAME, RUN_FILES, STATE_NAME, FolderLock, RunFolder, atomic_write
+from ssogvit.outputs import config_diff as config_diff
+from ssogvit.outputs import remove_stale_temp_files as _remove_stale
 
 from .errors import RunFolderError
 
 __all__ = [
     "RunLock", "folder_state", "config_diff", "decide_resume", "remove_stale_temp_files", "prune_logs",
-    "write_run_state", "fresh_folder", "RUN_FILES", "IGNORED_KEYS",
+    "write_run_state", "fresh_folder", "RUN_FILES", "IGNORED_KEYS", "LOCK_NAME", "STATE_NAME",
 ]
 
-RUN_FILES = ("config.yaml", "run.json", "checkpoints", "export", "logs", "tb")
-# Keys that may differ between the launches of one run: where things are, not what is computed.
-IGNORED_KEYS = ("resume", "output_dir", "data.root", "data.num_workers", "data.pin_memory",
-                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.logger", "logger", "progress",
-                "cluster")
-LOCK_NAME, STATE_NAME = ".lock", "run.json"
-
-
-class RunLock:
-    """`with RunLock(folder):` holds an exclusive `flock` on `folder/.lock` (created with the folder if needed).
-
-    Raises `RunFolderError` at once if another live process holds it.
-    """
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self._fd: int | None = None
-
-    def __enter__(self) -> RunLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RunFolderError(f"another live run (pid {holder}) is writing to {self.folder}; wait for it to end "
-                                 f"or write elsewhere with output_dir=<new folder>") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+#: `with RunLock(folder):` the run folder's lock (`ssogvit.outputs.FolderLock`)
+RunLock = FolderLock
 
 
 def folder_state(folder: str | Path) -> str:
     """`"fresh"` (no run), `"unfinished"`, `"finished"` or `"foreign"` (run files without a `config.yaml`)."""
-    folder = Path(folder)
-    if not any((folder / name).exists() for name in RUN_FILES):
-        return "fresh"
-    state_file = folder / STATE_NAME
-    if state_file.is_file():
-        try:
-            status = json.loads(state_file.read_text()).get("status")
-        except (ValueError, AttributeError):
-            status = None
-        if status == "finished":
-            return "finished"
-    elif (folder / "export" / "model.safetensors").is_file():  # a run written before run.json existed
-        return "finished"
-    return "unfinished" if (folder / "config.yaml").is_file() else "foreign"
+    return RunFolder(folder, command="train").state()
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
-
-
-def config_diff(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """`"key: saved A, now B"` for each key (dotted) that differs, `IGNORED_KEYS` and their children left out."""
-    a, b = _flatten(saved), _flatten(new)
-    ignored = tuple(IGNORED_KEYS)
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if key in ignored or key.startswith(tuple(k + "." for k in ignored)):
-            continue
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append(f"{key}: saved {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r}")
-    return out
-
-
-def decide_resume(folder: Path, resume: Any, config: Mapping[str, Any]) -> str | None:
-    """The checkpoint a launch into `folder` resumes from (None: a fresh start), or `RunFolderError`.
-
-    Args:
-        resume: the run config's `resume` (`auto`, null, or a path).
-        config: the launch's resolved config, compared with the `config.yaml` of an unfinished run in `folder`.
-    """
-    from omegaconf import OmegaConf
-
-    state = folder_state(folder)
-    elsewhere = "or write elsewhere with output_dir=<new folder>"
-    explicit = None if resume in (None, False, "null", "none", "false", "auto") else str(resume)
-    if state == "finished":
-        raise RunFolderError(f"{folder} holds a finished run; evaluate it with `ssogvit eval --ckpt "
-                             f"{folder / 'checkpoints' / 'best.ckpt'}`, {elsewhere}")
-    if state == "foreign":
-        present = [n for n in RUN_FILES if (folder / n).exists()]
-        raise RunFolderError(f"{folder} holds files of another run ({', '.join(present)}) but no config.yaml; "
-                             f"write elsewhere with output_dir=<new folder>")
-    if state == "fresh":
-        return explicit
-    diff = config_diff(OmegaConf.to_container(OmegaConf.load(folder / "config.yaml"), resolve=False), config)
-    if diff:
-        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-        raise RunFolderError(f"{folder} holds a different run ({shown}); resume it with its own settings "
-                             f"(its config.yaml), {elsewhere}")
-    last = folder / "checkpoints" / "last.ckpt"
-    if resume in (None, False, "null", "none", "false"):
-        raise RunFolderError(f"{folder} holds an unfinished run of this config; resume it with resume=auto, "
-                             f"{elsewhere}")
-    if explicit is not None:
-        return explicit
-    return str(last) if last.is_file() else None
+def decide_resume(folder: Path, resume: Any, config: Mapping[str, Any], *, command: str = "train") -> str | None:
+    """The checkpoint a launch of `command` into `folder` resumes from (None: a fresh start), or `RunFolderError`
+    (`ssogvit.outputs.RunFolder.decide_resume`)."""
+    return RunFolder(folder, command=command).decide_resume(resume, config)
 
 
 def remove_stale_temp_files(folder: str | Path) -> list[Path]:
-    """Remove the `.*.tmp` files that writes killed mid-way left in the folder (call it holding the folder's lock)."""
-    removed = []
-    for sub in ("checkpoints", "export", "."):
-        d = Path(folder) / sub
-        for path in d.glob(".*.tmp") if d.is_dir() else ():
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
+    """Remove the temporary files that writes killed mid-way left in the run folder (only names ssogvit gives)."""
+    return _remove_stale(folder, subfolders=("checkpoints", "export", "."))
 
 
 def prune_logs(folder: str | Path, *, epoch: int, step: int) -> None:
@@ -160,8 +57,6 @@ def prune_logs(folder: str | Path, *, epoch: int, step: int) -> None:
     Rows logged with an epoch are kept up to `epoch` (the checkpoint's last completed epoch; -1 for a start from
     scratch), rows without one (learning rate) below `step`. The TensorBoard event files are left as they are.
     """
-    from .io import atomic_write
-
     for path in sorted(Path(folder).glob("logs/version_*/metrics.csv")):
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
@@ -187,15 +82,12 @@ def prune_logs(folder: str | Path, *, epoch: int, step: int) -> None:
                 writer.writeheader()
                 writer.writerows(kept)
 
-        atomic_write(path, write)
+        atomic_write(path, write, overwrite=True)
 
 
-def write_run_state(folder: str | Path, status: str, **facts: Any) -> None:
-    """`run.json`: the run's status (`running` / `finished`) and facts about it, written atomically."""
-    from .io import atomic_write
-
-    text = json.dumps({"status": status, **facts}, indent=2, default=str)
-    atomic_write(Path(folder) / STATE_NAME, lambda tmp: Path(tmp).write_text(text))
+def write_run_state(folder: str | Path, status: str, *, command: str = "train", **facts: Any) -> None:
+    """`run.json`: the run's status (`running` / `finished`), its command and facts about it, written atomically."""
+    RunFolder(folder, command=command).write_state(status, **facts)
 
 
 def fresh_folder(base: str | Path, *, parts: tuple[str, ...] = ()) -> Path:

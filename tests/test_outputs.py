@@ -1,0 +1,214 @@
+"""One way out (`ssogvit.outputs`): one writer (atomic, never replacing a file unasked, umask honoured), outputs
+checked before any work, temporary names that are recognisably ours, and one set of rules for a folder a command
+owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ssogvit.outputs import (
+    LOCK_NAME,
+    FolderError,
+    FolderLock,
+    OutputError,
+    OutputExistsError,
+    RunFolder,
+    atomic_write,
+    check_output_file,
+    check_output_folder,
+    is_temp_name,
+    remove_stale_temp_files,
+    staged_outputs,
+    temp_path,
+    write_json,
+    write_text,
+)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_the_writer_never_replaces_a_file_unasked_and_a_failed_write_leaves_the_old_one(tmp_path):
+    f = tmp_path / "result.json"
+    write_text(f, "old")
+    with pytest.raises(OutputExistsError, match="result.json exists; pass --overwrite"):
+        write_text(f, "new")
+    assert write_text(f, "new", overwrite=True).read_text() == "new"
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(f, half_then_fail, overwrite=True)
+    assert f.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    with pytest.raises(OutputError, match="nothing was written"):
+        atomic_write(tmp_path / "empty", lambda tmp: None)
+    assert not (tmp_path / "empty").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_written_files_honour_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o666 & ~umask
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
+
+
+def test_a_writer_killed_mid_write_leaves_the_old_file_and_only_a_temporary_name_that_cleanup_removes(tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old")
+    script = textwrap.dedent(f"""
+        import sys, time
+        from ssogvit.outputs import atomic_write
+        def slow(tmp):
+            with open(tmp, "wb") as f:
+                f.write(b"x" * 1000); f.flush(); print("writing", flush=True); time.sleep(60)
+        atomic_write({str(target)!r}, slow, overwrite=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    left = sorted(p.name for p in tmp_path.iterdir() if p != target)
+    assert target.read_bytes() == b"old" and len(left) == 1 and is_temp_name(left[0]), left
+    mine = [tmp_path / ".notes.tmp", tmp_path / ".model.bin.abc.tmp", tmp_path / "model.bin.ssogvit-tmp"]
+    live = temp_path(target)  # this process's own, as if being written now
+    for p in (*mine, live):
+        p.write_text("keep")
+    assert [p.name for p in remove_stale_temp_files(tmp_path)] == left
+    assert all(p.read_text() == "keep" for p in (*mine, live)) and target.read_bytes() == b"old"
+
+
+def test_temporary_names_keep_the_suffix_and_name_their_writer():
+    p = temp_path("/x/model.onnx")
+    assert p.parent == Path("/x") and p.suffix == ".onnx" and p.name.startswith(".model.onnx.ssogvit-tmp-")
+    assert f"-{os.getpid()}-" in p.name and is_temp_name(p.name) and not is_temp_name("model.onnx")
+
+
+def test_an_output_file_is_checked_before_any_work(tmp_path, read_only_folder):
+    (tmp_path / "file").write_text("x")
+    ckpt = tmp_path / "best.ckpt"
+    ckpt.write_bytes(b"weights")
+    cases = [
+        (tmp_path, "is a folder; give the name of a file"),
+        (tmp_path / "missing" / "r.json", "the folder .*missing does not exist"),
+        (tmp_path / "file" / "r.json", "file is a file, not a folder"),
+        (ckpt, "best.ckpt exists; pass --overwrite to replace it"),
+        ("", "expected the path of a file"),
+    ]
+    for path, needle in cases:
+        with pytest.raises(OutputError, match=needle) as info:
+            check_output_file(path, "--json")
+        assert str(info.value).startswith("--json") and "\n" not in str(info.value)
+    with pytest.raises(OutputError, match="is one of this command's inputs"):
+        check_output_file(ckpt, "--json", overwrite=True, inputs=[ckpt])
+    assert check_output_file(tmp_path / "r.json", "--json") == tmp_path / "r.json"
+    with read_only_folder(tmp_path / "ro") as ro:
+        with pytest.raises(OutputError, match="ro is not writable"):
+            check_output_file(ro / "r.json", "--json")
+        with pytest.raises(OutputError, match="cannot be created: .*ro is not writable"):
+            check_output_folder(ro / "a" / "b", "--out")
+    assert ckpt.read_bytes() == b"weights"
+
+
+def test_an_output_folder_may_be_created_but_not_over_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert check_output_folder(tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    for path, needle in ((tmp_path / "file", "is a file, not a folder"),
+                         (tmp_path / "file" / "sub", "cannot be created: .*file is a file, not a folder")):
+        with pytest.raises(OutputError, match=needle):
+            check_output_folder(path, "--out")
+
+
+def test_staged_outputs_move_together_or_not_at_all(tmp_path):
+    out = tmp_path / "new" / "analysis"
+    with staged_outputs(out) as stage:
+        (stage / "a.json").write_text("1")
+        (stage / "sub").mkdir()
+        (stage / "sub" / "b.png").write_bytes(b"png")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["a.json", "sub", "sub/b.png"]
+    with pytest.raises(OutputExistsError, match="a.json already exist"):
+        with staged_outputs(out) as stage:
+            (stage / "a.json").write_text("2")
+            (stage / "c.md").write_text("new")
+    assert (out / "a.json").read_text() == "1" and not (out / "c.md").exists()
+    with staged_outputs(out, overwrite=True) as stage:
+        (stage / "a.json").write_text("2")
+    assert (out / "a.json").read_text() == "2"
+    fresh = tmp_path / "fresh" / "out"
+    with pytest.raises(RuntimeError):
+        with staged_outputs(fresh) as stage:
+            (stage / "x").write_text("x")
+            raise RuntimeError("the analysis failed")
+    assert not (tmp_path / "fresh").exists()  # a failed command leaves no folder behind
+    assert not [p for p in out.rglob("*") if is_temp_name(p.name)]
+
+
+def test_a_folder_lock_is_exclusive_and_never_takes_a_lock_file_that_is_not_ours(tmp_path):
+    with FolderLock(tmp_path / "run") as lock:  # a second open file description conflicts, as another process's
+        assert lock.path.read_text().startswith(f"ssogvit pid {os.getpid()} ")
+        with pytest.raises(FolderError, match=f"another live run \\(ssogvit pid {os.getpid()} on .*\\) is writing"):
+            FolderLock(tmp_path / "run").__enter__()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / LOCK_NAME).write_text("held by some other tool\n")
+    with pytest.raises(FolderError, match="was not written by ssogvit; it was left as it is"):
+        FolderLock(theirs).__enter__()
+    assert (theirs / LOCK_NAME).read_text() == "held by some other tool\n"
+    with FolderLock(tmp_path / "run"):  # released with its holder
+        pass
+
+
+def test_a_run_folder_belongs_to_one_command_and_one_config(tmp_path):
+    folder = tmp_path / "run"
+    run = RunFolder(folder, command="train")
+    assert run.state() == "fresh" and run.decide_resume("auto", {"a": 1}) is None
+    with run.lock():
+        run.begin(lambda tmp: tmp.write_text("a: 1\nresume: auto\n"))
+    assert run.record()["status"] == "running" and run.record()["command"] == "train"
+    assert run.decide_resume("auto", {"a": 1, "resume": "auto", "output_dir": "moved"}) is None  # no last.ckpt yet
+    with pytest.raises(FolderError, match=r"holds a different run \(a: saved 1, now 2\)"):
+        run.decide_resume("auto", {"a": 2})
+    with pytest.raises(FolderError, match="holds an unfinished run of this config; resume it with resume=auto"):
+        run.decide_resume(None, {"a": 1})
+    with pytest.raises(FolderError, match="holds a run of `ssogvit train`, not of `ssogvit convert`"):
+        RunFolder(folder, command="convert", elsewhere="--out <new folder>").decide_resume("auto", {"a": 1})
+    run.write_state("finished")
+    with pytest.raises(FolderError, match="holds a finished run"):
+        run.decide_resume("auto", {"a": 1})
+    (folder / "run.json").write_text(json.dumps({"status": "running"}))
+    (folder / "config.yaml").write_text("a: ${oc.env:HOME}\n")
+    with pytest.raises(FolderError, match="config.yaml cannot be used .*interpolation") as info:
+        run.decide_resume("auto", {"a": 1})
+    assert os.environ.get("HOME", "/root") not in str(info.value)
+
+
+def test_a_stale_temporary_file_of_a_dead_writer_goes_when_a_run_begins(tmp_path):
+    folder = tmp_path / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    stale = temp_path(folder / "checkpoints" / "last.ckpt")
+    stale = stale.with_name(stale.name.replace(f"-{os.getpid()}-", f"-{dead_pid()}-"))
+    stale.write_bytes(b"torn")
+    user = folder / "checkpoints" / ".last.ckpt.1234.tmp"
+    user.write_bytes(b"the user's")
+    run = RunFolder(folder, command="train")
+    with run.lock():
+        run.begin(lambda tmp: tmp.write_text("a: 1\n"))
+    assert not stale.exists() and user.read_bytes() == b"the user's"
