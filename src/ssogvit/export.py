@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from ssogvit.errors import debug_enabled
-from ssogvit.extras import missing
+from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_errors
+from ssogvit.extras import require_extra
+from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, Float, input_file
+from ssogvit.outputs import OutputError, atomic_write, check_output_file
 
 __all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "second_shape", "main"]
 
@@ -174,85 +175,71 @@ def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo
 
 def main(argv: list[str] | None = None) -> int:
     """``ssogvit export``: write a checkpoint's model as a deployable file and print the parity it measured."""
-    parser = argparse.ArgumentParser(prog="ssogvit export", description=main.__doc__)
+    parser = ArgumentParser(prog="ssogvit export", description=main.__doc__)
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt or an exported .safetensors (config beside)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", help="file to write (default: beside the checkpoint, with the format's suffix)")
-    parser.add_argument("--batch", type=int, default=2, help="batch size of the traced example (default 2)")
-    parser.add_argument("--img-size", type=int, nargs=2, metavar=("H", "W"), default=None,
+    parser.add_argument("--batch", type=BATCH_SIZE.argparse, default=2, help="batch of the traced example (default 2)")
+    parser.add_argument("--img-size", type=IMG_SIZE.argparse, nargs=2, metavar=("H", "W"), default=None,
                         help="image size of the traced example (default: the model's img_size)")
     parser.add_argument("--static", action="store_true",
                         help="no dynamic dimensions: the file is for the traced shape (default: any batch and, "
                              "where the format allows, any image size)")
     parser.add_argument("--onnx-exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest accepted max abs difference")
+    parser.add_argument("--tolerance", type=Float(0).argparse, default=TOLERANCE,
+                        help="largest accepted max abs difference")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
+    return report_errors("ssogvit export", lambda: _export(args))
 
-    ckpt = Path(args.ckpt)
-    out = Path(args.out) if args.out else ckpt.with_suffix(FORMATS[args.format])
-    if out.exists() and not args.overwrite:
-        print(f"ssogvit export: {out} exists; pass --overwrite to replace it or --out for another file",
-              file=sys.stderr)
-        return 2
-    if args.batch < 1:
-        print(f"ssogvit export: --batch must be >= 1, got {args.batch}", file=sys.stderr)
-        return 2
-    if not args.tolerance >= 0:
-        print(f"ssogvit export: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
-        return 2
-    if args.format == "onnx" and missing("export"):
-        print(f"ssogvit export: --format onnx needs the 'export' extra ({', '.join(missing('export'))} not "
-              "installed): pip install 'ssogvit[export]'", file=sys.stderr)
-        return 2
+
+def _export(args: argparse.Namespace) -> int:
+    ckpt = input_file(args.ckpt, "--ckpt", what="checkpoint")
+    out = check_output_file(args.out or ckpt.with_suffix(FORMATS[args.format]), "--out", overwrite=args.overwrite,
+                            inputs=[ckpt])
+    if args.format == "onnx":
+        require_extra("export", "--format onnx")
     dynamo = args.onnx_exporter == "dynamo"
     dims = () if args.static else dynamic_dims(args.format, dynamo)
     if "batch" in dims and args.batch < 2:
-        print("ssogvit export: a dynamic batch is traced at --batch 2 or more (an exporter fixes a dimension traced "
-              "at size 1); pass --static for a file of batch 1 only", file=sys.stderr)
-        return 2
+        raise UsageError("a dynamic batch is traced at --batch 2 or more (an exporter fixes a dimension traced at "
+                         "size 1); pass --static for a file of batch 1 only")
     from ssogvit.train.io import CheckpointError, load_model
 
     try:
         model = load_model(ckpt).float().eval()
     except (CheckpointError, FileNotFoundError, OSError) as err:
-        print(f"ssogvit export: cannot load {ckpt}: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot load {ckpt}: {err}") from None
     h, w = args.img_size or model.img_size
     patch = _patch_size(model)
-    if h % patch or w % patch or min(h, w) < patch:
-        print(f"ssogvit export: --img-size {h} {w} is not a multiple of the patch size {patch}", file=sys.stderr)
-        return 2
+    if h % patch or w % patch:
+        raise UsageError(f"--img-size {h} {w} is not a multiple of the patch size {patch}")
     if "size" in dims and min(h, w) < 2 * patch:
-        print(f"ssogvit export: a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
-              f"{h}x{w}; pass --img-size or --static", file=sys.stderr)
-        return 2
+        raise UsageError(f"a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
+                         f"{h}x{w}; pass --img-size or --static")
     shape = (args.batch, model.in_chans, h, w)
+    example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     try:
-        export_model(model, torch.randn(shape, generator=torch.Generator().manual_seed(0)), out,
-                     format=args.format, dynamo=dynamo, dynamic=not args.static)
+        atomic_write(out, lambda tmp: export_model(model, example, tmp, format=args.format, dynamo=dynamo,
+                                                   dynamic=not args.static), overwrite=args.overwrite)
     except Exception as err:  # the exporter's own refusal; the model is fine in eager
-        if debug_enabled():
+        if debug_enabled() or isinstance(err, OutputError):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"ssogvit export: {args.format} could not export this model ({type(err).__name__}: {first}); "
-              "--debug shows the traceback", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug shows "
+                         "the traceback") from None
     print(f"wrote {out} ({args.format}): it takes {_describe(dims, shape, args.format, dynamo)}")
     diffs = []
     for i, check in enumerate(s for s in (shape, second_shape(shape, dims, patch)) if s is not None):
         x = torch.randn(check, generator=torch.Generator().manual_seed(1 + i))
         try:
-            diff = parity(model, out, x, format=args.format)
+            diffs.append(parity(model, out, x, format=args.format))
         except Exception as err:  # the file refused an input it claims to take
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            print(f"ssogvit export: {out} failed on a batch of shape {check}: {first}", file=sys.stderr)
-            return 2
-        print(f"parity on a random batch {check}: max abs difference {diff:.3e} (tolerance {args.tolerance:.0e})")
-        diffs.append(diff)
-    if not all(d <= args.tolerance for d in diffs):
-        worst = next(d for d in diffs if not d <= args.tolerance)
-        print(f"ssogvit export: parity {worst:.3e} is worse than the tolerance {args.tolerance:.0e}; {out} does not "
-              "compute what the model computes", file=sys.stderr)
-        return 2
+            raise UsageError(f"{out} failed on a batch of shape {check}: {first}") from None
+        print(f"parity on a random batch {check}: max abs difference {diffs[-1]:.3e} (tolerance {args.tolerance:.0e})")
+    worst = next((d for d in diffs if not d <= args.tolerance), None)
+    if worst is not None:
+        raise UsageError(f"parity {worst:.3e} is worse than the tolerance {args.tolerance:.0e}; {out} does not "
+                         "compute what the model computes")
     return 0
