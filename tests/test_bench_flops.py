@@ -71,5 +71,8 @@ def test_mixer_flops_match_flop_counter_mode_on_a_rectangular_grid(name):
     # the torch path, whose matmuls the counter sees (the C kernel of backends.cpu does the same multiply-adds)
     with torch.no_grad(), cpu.enabled(False), FlopCounterMode(display=False,
                                                              custom_mapping=_custom_mapping()) as counter:
-        mixer(x, x, x, need_weights=False) if name == "torch-mha" else mixer(x, grid=grid)
+        if name == "torch-mha":
+            mixer(x, x, x, need_weights=False)
+        else:
+            mixer(x, grid=grid, num_prefix_tokens=prefix)
     assert counter.get_total_flops() == pytest.approx(mixer_flops(mixer, grid, prefix)["total"], rel=0.02)

@@ -89,6 +89,14 @@ def test_a_time_only_sweep_plots_without_empty_legends_or_torchs_cuda_home_line(
     assert (tmp_path / "t_relative.png").stat().st_size > 0 and (tmp_path / "t_absolute.png").stat().st_size > 0
     assert not [str(w.message) for w in recwarn if "legend" in str(w.message)]
     assert "No CUDA runtime" not in capfd.readouterr().err
+    # a second run of the same name replaces nothing unless asked, and says so before measuring anything
+    from ssogvit.outputs import OutputExistsError
+
+    before = (tmp_path / "t.json").read_bytes()
+    with pytest.raises(OutputExistsError, match=r"--out: .*t\.json exists; pass --overwrite"):
+        main(argv)
+    assert (tmp_path / "t.json").read_bytes() == before
+    assert main(argv + ["--overwrite"]) == 0 and (tmp_path / "t.json").read_bytes() != before
 
 
 def test_ode_family_is_measured_against_the_papers_explicit_attention_first(tmp_path):

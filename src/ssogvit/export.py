@@ -7,8 +7,9 @@ The file takes any batch size and, where the format allows, any image size the p
 traced image size (the TorchScript-based ONNX exporter has no translation of the position embedding's antialiased
 bicubic resize, and a traced TorchScript graph holds SSoG's grid as constants), and say so: onnxruntime refuses
 another size by the file's declared input shape, the TorchScript file by a check of its own. ``--static`` exports
-without dynamic dimensions (an ONNX file or exported program then refuses any other shape). The file is then run again (ONNX in onnxruntime) on a random batch of the traced shape
-and on one of another batch size and, where it is dynamic, another resolution, and compared with the eager model;
+without dynamic dimensions (an ONNX file or exported program then refuses any other shape). The file is then run
+again (ONNX in onnxruntime) on a random batch of the traced shape and on one of another batch size and, where it is
+dynamic, another resolution, and compared with the eager model;
 each maximum absolute difference is printed, and one worse than ``--tolerance`` is an error (exit code 2), the file
 left beside for inspection. Under tracing and export SSoG takes no in-place or preallocated-buffer shortcut
 (``ssogvit.ops.functional_only``), so what is exported computes what the eager model computes.

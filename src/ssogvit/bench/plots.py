@@ -1,4 +1,4 @@
-"""PNG figures in the paper's form: relative and absolute model curves, operator fits (``None`` with nothing to draw)."""
+"""PNG figures in the paper's form: relative and absolute model curves, operator fits (``None``: nothing to draw)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ssogvit.bench.sweeps import BASELINE_NAMES, model_table, operator_fits
-from ssogvit.results import pyplot, save_figure
+from ssogvit.outputs import atomic_write
+from ssogvit.results import pyplot
 
 __all__ = ["plot_models", "plot_operator", "plot_relative"]
 
@@ -24,7 +25,9 @@ def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
         if ax.get_legend_handles_labels()[0]:  # a time-only run (--no-memory) draws no memory lines
             ax.legend(fontsize=fontsize)
     fig.tight_layout()
-    return save_figure(fig, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110), overwrite=True)
+    pyplot().close(fig)
+    return Path(path)
 
 
 def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha") -> Path | None:

@@ -68,7 +68,7 @@ def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module,
             module = create_mixer(spec["mixer"], dim, heads, **options).to(device)
 
             def forward():
-                return module(x, grid=(gh, gw))
+                return module(x, grid=(gh, gw), num_prefix_tokens=prefix)
         try:
             info["gflops_per_image"] = mixer_flops(module, (gh, gw), prefix)["total"]
         except TypeError:  # a mixer that does not count its FLOPs: timed and measured, no rates

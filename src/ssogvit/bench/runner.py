@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import io
 import json
 import math
 import multiprocessing as mp
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ssogvit.outputs import write_text
 
 __all__ = ["CSV_FIELDS", "machine_info", "merge_repeat", "read_results", "run_point", "run_sweep", "write_results"]
 
@@ -143,16 +146,16 @@ def _cell(v: Any) -> Any:
 
 
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: str) -> tuple[Path, Path]:
-    """Write ``{name}.json`` (meta and full rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``."""
+    """Write ``{name}.json`` (meta and full rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``, each
+    atomically (``ssogvit.outputs``; a sweep rewrites its own files after every point)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    jpath, cpath = out / f"{name}.json", out / f"{name}.csv"
-    jpath.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=1, default=str) + "\n")
-    with cpath.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: _cell(r.get(k)) for k in CSV_FIELDS} for r in rows)
-    return jpath, cpath
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: _cell(r.get(k)) for k in CSV_FIELDS} for r in rows)
+    text = json.dumps({"meta": meta, "rows": list(rows)}, indent=1, default=str) + "\n"
+    return write_text(out / f"{name}.json", text, overwrite=True), write_text(out / f"{name}.csv", table.getvalue(),
+                                                                             overwrite=True)
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
