@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ssogvit.bench.sweeps import fit_power_law, model_points, operator_points
+from ssogvit.bench.sweeps import compare, fit_power_law, model_points, operator_points
 from ssogvit.results import markdown_table
 
 __all__ = ["Thresholds", "check_points", "evaluate", "format_check", "mixer_bound", "model_bound"]
@@ -89,95 +89,79 @@ def check_points(*, resolutions: Sequence[int] = RESOLUTIONS, batches: Sequence[
     return points
 
 
-def _row(check: str, point: str, goal: str, measured: float | None, ok: bool | None, note: str = "") -> dict:
-    return dict(check=check, point=point, goal=goal, measured=measured, met=ok, note=note)
-
-
-def _judged(check: str, point: str, value: float, limit: float | None, *, at_least: bool, unit: str = "",
-            note: str = "") -> dict:
-    if limit is None:
-        return _row(check, point, "(reported)", value, None, note)
-    goal = (">= " if at_least else "<= ") + f"{limit:.2f}{unit}"
-    return _row(check, point, goal, value, value >= limit if at_least else value <= limit, note)
-
-
-def _memory(check: str, point: str, a: dict, b: dict, limit: float | None) -> list[dict]:
-    """``a``'s peak memory as a multiple of ``b``'s, judged against ``limit`` (nothing if either was not measured)."""
-    if not (b.get("peak_mib") and a.get("peak_mib") is not None):
-        return []
-    return [_judged(check, point, a["peak_mib"] / b["peak_mib"], limit, at_least=False, unit="x",
-                    note=f"{a['peak_mib']:.1f} vs {b['peak_mib']:.1f} MiB")]
-
-
-def _speedup(a: dict, b: dict) -> float | None:
-    """How many times faster ``a`` ran than ``b`` (``None`` if either was not timed)."""
-    return b["time_ms"] / a["time_ms"] if a.get("time_ms") and b.get("time_ms") else None
-
-
-def _flop_ratio(a: dict, b: dict) -> float | None:
-    """``a``'s FLOPs over ``b``'s as counted at the points, if both were."""
-    return a["gflops_per_image"] / b["gflops_per_image"] if a.get("gflops_per_image") and b.get(
-        "gflops_per_image") else None
+def _row(check: str, point: str, value: float | None, limit: float | None = None, *, at_least: bool = False,
+         unit: str = "", note: str = "") -> dict:
+    """A check row; ``met`` is ``None`` without a threshold (reported) or without a value (a point failed)."""
+    goal = "(reported)" if limit is None else (">= " if at_least else "<= ") + f"{limit:.2f}{unit}"
+    met = None if limit is None or value is None else value >= limit if at_least else value <= limit
+    return dict(check=check, point=point, goal="" if value is None else goal, measured=value, met=met, note=note)
 
 
 def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[dict]:
-    """Benchmark rows -> check rows ``check, point, goal, measured, met, note`` (``met`` ``None``: no threshold given,
-    or a point failed)."""
+    """Benchmark rows -> check rows ``check, point, goal, measured, met, note``, the ratios as the tables take them
+    (``ssogvit.bench.sweeps``; the FLOP bound from the points' counts, else ``mixer_bound`` / ``model_bound``)."""
     idx = {(r["kind"], r.get("label"), r.get("res"), r.get("batch"), r.get("mode", "inference")): r
            for r in rows if r.get("status") == "ok"}
     out: list[dict] = []
+
+    def memory(check: str, point: str, a: dict, b: dict, limit: float | None) -> None:
+        ratio = compare(a, b, "time_ms").get("memory_ratio")
+        if ratio is not None:
+            note = f"{a['peak_mib']:.1f} vs {b['peak_mib']:.1f} MiB"
+            out.append(_row(check, point, ratio, limit, unit="x", note=note))
+
     ops = [r for r in rows if r.get("kind") == "operator"]
     op_keys = sorted({(r["batch"], r["res"]) for r in ops})
     for batch, res in op_keys:
         a, s, st = (idx.get(("operator", m, res, batch, "inference")) for m in MIXERS)
         point = f"res {res}, batch {batch}"
         if a is None or s is None:
-            out.append(_row("mixer: fixed SSoG vs fused attention", point, "", None, None, "a point failed"))
+            out.append(_row("mixer: fixed SSoG vs fused attention", point, None, note="a point failed"))
             continue
-        speedup, bound = _speedup(s, a), _flop_ratio(a, s) or mixer_bound(res)
-        if speedup is not None:
-            out.append(_judged("mixer speed-up, fraction of FLOP bound", point, speedup / bound,
-                               limits.min_bound_fraction, at_least=True, note=f"{speedup:.2f}x of {bound:.2f}x"))
-        out += _memory("mixer peak memory / fused attention", point, s, a, limits.max_memory_ratio)
+        ratios = compare(s, a, "time_ms")
+        if "speedup" in ratios:
+            bound = ratios.get("flop_bound") or mixer_bound(res)
+            out.append(_row("mixer speed-up, fraction of FLOP bound", point, ratios["speedup"] / bound,
+                            limits.min_bound_fraction, at_least=True, note=f"{ratios['speedup']:.2f}x of {bound:.2f}x"))
+        memory("mixer peak memory / fused attention", point, s, a, limits.max_memory_ratio)
         if st is not None:
-            if _speedup(s, st) is not None:  # steered time / fixed time
-                out.append(_judged("steered time / fixed time (mixer)", point, _speedup(s, st),
-                                   limits.max_steered_time_ratio, at_least=False))
-            out += _memory("steered peak memory / fixed (mixer)", point, st, s, limits.max_steered_memory_ratio)
-    for batch in sorted({b for b, _ in op_keys}):
-        for label in MIXERS:
-            pts = [(r["tokens"], r["peak_mib"]) for r in ops if r.get("label") == label and r.get("batch") == batch
-                   and r.get("status") == "ok" and r.get("peak_mib")]
-            if len(pts) >= 2:
-                k = fit_power_law([p[0] for p in pts], [p[1] for p in pts]).exponent
-                out.append(_judged("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", k,
-                                   limits.max_memory_exponent if label == "ssog" else None, at_least=False,
-                                   note=f"fit over {len(pts)} points"))
+            if "speedup" in compare(s, st, "time_ms"):  # steered time / fixed time
+                out.append(_row("steered time / fixed time (mixer)", point, compare(s, st, "time_ms")["speedup"],
+                                limits.max_steered_time_ratio))
+            memory("steered peak memory / fixed (mixer)", point, st, s, limits.max_steered_memory_ratio)
+    for batch, label in ((b, m) for b in sorted({b for b, _ in op_keys}) for m in MIXERS):
+        pts = [(r["tokens"], r["peak_mib"]) for r in ops if r.get("label") == label and r.get("batch") == batch
+               and r.get("status") == "ok" and r.get("peak_mib")]
+        if len(pts) >= 2:
+            k = fit_power_law([p[0] for p in pts], [p[1] for p in pts]).exponent
+            limit = limits.max_memory_exponent if label == "ssog" else None
+            out.append(_row("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", k, limit,
+                            note=f"fit over {len(pts)} points"))
     for r in (r for r in rows if r.get("kind") == "model" and r.get("mixer") != "mha"):
         mode = r.get("mode", "inference")
         a = idx.get(("model", r["label"].removesuffix(r["mixer"]) + "mha", r["res"], r["batch"], mode))
         s = idx.get(("model", r["label"], r["res"], r["batch"], mode))
-        point, what = f"{r['label']}, res {r['res']}, batch {r['batch']}", "training step" if mode == "train" else (
-            "whole model")
+        point, what = f"{r['label']}, res {r['res']}, batch {r['batch']}", ("training step" if mode == "train"
+                                                                               else "whole model")
         if a is None or s is None:
-            out.append(_row(f"{what} vs MHA twin", point, "", None, None, "a point failed"))
+            out.append(_row(f"{what} vs MHA twin", point, None, note="a point failed"))
             continue
-        speedup = _speedup(s, a)
-        if speedup is not None:
-            out.append(_judged(f"{what} speed-up vs MHA", point, speedup, limits.min_model_speedup, at_least=True))
+        ratios = compare(s, a, "time_ms")
+        if "speedup" in ratios:
+            out.append(_row(f"{what} speed-up vs MHA", point, ratios["speedup"], limits.min_model_speedup,
+                            at_least=True))
             if mode == "inference" and r["mixer"] == "ssog":
-                out.append(_judged("whole model speed-up, fraction of FLOP bound", point,
-                                   speedup / (_flop_ratio(a, s) or model_bound(r["res"])), limits.min_bound_fraction,
-                                   at_least=True))
+                out.append(_row("whole model speed-up, fraction of FLOP bound", point, ratios["speedup"] / (
+                    ratios.get("flop_bound") or model_bound(r["res"])), limits.min_bound_fraction, at_least=True))
         if mode == "train":
-            out += _memory("training step peak memory / MHA twin", point, s, a, limits.max_train_memory_ratio)
+            memory("training step peak memory / MHA twin", point, s, a, limits.max_train_memory_ratio)
     mm = idx.get(("matmul", "matmul-2048", 0, 1, "inference"))
     for batch in sorted({b for b, _ in op_keys}):
         s = idx.get(("operator", "ssog", 1024, batch, "inference"))
         if mm and s and s.get("achieved_gflops_per_s") and mm.get("achieved_gflops_per_s"):
             rate, peak = s["achieved_gflops_per_s"], mm["achieved_gflops_per_s"]
-            out.append(_row("fixed mixer rate at 1024 / matmul peak", f"res 1024, batch {batch}", "(reported)",
-                            rate / peak, None, f"{rate:.1f} of {peak:.1f} GFLOP/s"))
+            out.append(_row("fixed mixer rate at 1024 / matmul peak", f"res 1024, batch {batch}", rate / peak,
+                            note=f"{rate:.1f} of {peak:.1f} GFLOP/s"))
     return out
 
 

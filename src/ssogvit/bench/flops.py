@@ -20,6 +20,7 @@ from timm.layers import to_2tuple
 from torch import nn
 
 from ssogvit.layers import Attention, is_ssog
+from ssogvit.results import markdown_table
 
 __all__ = ["TABLE4_ATTENTION", "TABLE4_TOTAL", "count_flops", "find_mixers", "flops_breakdown", "flops_rows",
            "format_flops_table", "grid_of", "measure_flops", "mixer_flops"]
@@ -196,19 +197,16 @@ def flops_rows(names: list[str], resolutions: list[int], *, check: bool = False,
 
 
 def format_flops_table(rows: list[dict]) -> str:
-    """A Markdown table of ``flops_rows``: analytic, measured and the paper's GFLOPs, with relative differences."""
-
-    def f(v, fmt=".2f"):
-        return format(v, fmt) if isinstance(v, int | float) else "-"
+    """Markdown of ``flops_rows``: analytic, counted and the paper's GFLOPs, with relative differences."""
+    from ssogvit.bench.sweeps import cell
 
     def rel(a, b):
         return f"{100 * (a / b - 1):+.2f}%" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
 
-    lines = ["| model | res | tokens | GFLOPs | attention GFLOPs | FlopCounterMode | diff | paper | diff "
-             "| paper attention | diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        measured, paper, paper_attn = r.get("measured_gflops"), r.get("paper_gflops"), r.get("paper_attention_gflops")
-        lines.append(f"| {r['model']} | {r['res']} | {r['tokens']} | {f(r['gflops'])} | {f(r['attention_gflops'])} "
-                     f"| {f(measured)} | {rel(measured, r['gflops'])} | {f(paper, '.1f')} | {rel(r['gflops'], paper)} "
-                     f"| {f(paper_attn, '.1f')} | {rel(r['attention_gflops'], paper_attn)} |")
-    return "\n".join(lines)
+    lines = [[r["model"], r["res"], r["tokens"], cell(r["gflops"]), cell(r["attention_gflops"]),
+              cell(r.get("measured_gflops")), rel(r.get("measured_gflops"), r["gflops"]),
+              cell(r.get("paper_gflops"), ".1f"), rel(r["gflops"], r.get("paper_gflops")),
+              cell(r.get("paper_attention_gflops"), ".1f"), rel(r["attention_gflops"], r.get("paper_attention_gflops"))]
+             for r in rows]
+    return markdown_table(["model", "res", "tokens", "GFLOPs", "attention GFLOPs", "FlopCounterMode", "diff", "paper",
+                           "diff", "paper attention", "diff"], lines).rstrip("\n")

@@ -1,14 +1,7 @@
-"""Peak memory of one call (docs/benchmarks.md says which figure to read when).
-
-- CUDA: ``max_memory_allocated`` above what was allocated before the call (``cuda_peak_call``).
-- CPU, allocator (the default): the highest running total of PyTorch's allocation events during the call, replayed
-  from ``torch.profiler`` (``torch_peak_call``): bytes requested, the same in every process; blind to memory
-  allocated outside PyTorch.
-- CPU, resident (``cpu_peak_call``, Linux): the heap's free pages returned (``malloc_trim``), blocks of 64 KiB and more
-  mapped on their own (``mallopt``) so that freed tensors leave at once, the kernel's high-water mark reset
-  (``echo 5 > /proc/self/clear_refs``), then ``VmHWM - VmRSS`` around the call. Pages touched, not bytes, in a fresh
-  process; where ``clear_refs`` cannot be written, ``ru_maxrss``, a lower bound, and it says so.
-- What a forward saves for backward, per module (``saved_for_backward``).
+"""Peak memory of one call (docs/benchmarks.md, "Peak memory: what is measured"): CUDA's allocator counters, PyTorch's
+CPU allocation events (the default: bytes requested, the same in every process), or the resident set (Linux: free
+heap pages returned, large blocks mapped on their own, the high-water mark reset, ``VmHWM - VmRSS`` around the call);
+and what a forward saves for backward, per module.
 """
 
 from __future__ import annotations
@@ -33,26 +26,25 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallo
 def status_kib(*keys: str) -> dict[str, int]:
     """Fields of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``, ``VmSize``)."""
     with open("/proc/self/status") as f:
-        fields = (line.partition(":") for line in f)
-        return {k: int(v.split()[0]) for k, _, v in fields if k in keys}
+        return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in keys}
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _libc():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
-        return False
-    return bool(hasattr(libc, "mallopt") and libc.mallopt(param, value))
+        return None
 
 
 def limit_arenas(count: int) -> bool:
-    """Let glibc create at most ``count`` malloc arenas from now on (each reserves 64 MiB of address space)."""
-    return _mallopt(_M_ARENA_MAX, count)
+    """At most ``count`` malloc arenas from now on (each reserves 64 MiB of address space, which a cap counts)."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_ARENA_MAX, count))
 
 
 def cap_address_space(cap_mib: float) -> int:
-    """Let this process map at most ``cap_mib`` more MiB of address space (``RLIMIT_AS``); returns the limit in bytes.
-    Coarse (reserved space, not resident pages): meant for forcing a point out of memory."""
+    """Let this process map at most ``cap_mib`` more MiB (``RLIMIT_AS``: reserved space, not resident pages; meant for
+    forcing a point out of memory); returns the limit in bytes."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = status_kib("VmSize")["VmSize"] * 1024 + int(cap_mib * _MIB)
     limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
@@ -61,21 +53,23 @@ def cap_address_space(cap_mib: float) -> int:
 
 
 def cpu_peak_call(fn: Callable[[], object]) -> dict[str, float | str]:
-    """Run ``fn()`` once and return the peak resident memory it added (``peak_mib``), the resident memory before it
-    (``baseline_mib``) and how it was measured."""
+    """Run ``fn()`` once: ``peak_mib``, the resident memory it added at its peak, ``baseline_mib`` and the method
+    (``ru_maxrss``, a lower bound, where ``/proc/self/clear_refs`` cannot be written)."""
     gc.collect()
-    heap = _mallopt(_M_MMAP_THRESHOLD, 64 * 1024) and _mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+    libc = _libc()
+    # freed blocks of 64 KiB or more leave the resident set at once, and the heap's free pages go back first
+    heap = libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, 65536) and libc.mallopt(_M_TRIM_THRESHOLD, 131072))
     if heap:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        libc.malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:  # no high-water reset: the process's peak so far, a lower bound
+    except OSError:
         before, rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, status_kib("VmRSS")["VmRSS"]
         out = fn()
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - max(before, rss), 0)
         del out
-        return {"peak_mib": max(after - max(before, rss), 0) / 1024, "baseline_mib": rss / 1024,
+        return {"peak_mib": peak / 1024, "baseline_mib": rss / 1024,
                 "memory_method": "ru_maxrss (clear_refs unavailable: a lower bound, blurred by earlier peaks)"}
     before = status_kib("VmRSS")["VmRSS"]
     out = fn()
@@ -86,25 +80,23 @@ def cpu_peak_call(fn: Callable[[], object]) -> dict[str, float | str]:
 
 
 def _storages(objs: Iterable[object]) -> dict[int, int]:
-    """``{data_ptr: nbytes}`` of every storage held by modules (parameters, gradients, buffers), optimizers (state)
-    and tensors, each once."""
+    """``{data_ptr: nbytes}`` of the storages of modules (parameters, gradients, buffers), optimizers, tensors."""
     tensors: list[torch.Tensor] = []
     for obj in objs:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.Module):
             params = list(obj.parameters())
             tensors += params + list(obj.buffers()) + [p.grad for p in params if p.grad is not None]
         elif isinstance(obj, torch.optim.Optimizer):
             tensors += [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        elif isinstance(obj, torch.Tensor):
+            tensors.append(obj)
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 def torch_peak_call(fn: Callable[[], object], *, kept: Iterable[object] = ()) -> dict[str, float | None]:
-    """Run ``fn()`` once under ``torch.profiler(profile_memory=True)``: ``torch_peak_mib`` is the highest total of
-    PyTorch's CPU allocations during the call above what was allocated before it; ``kept`` (modules, optimizers,
-    tensors) is what lives across the call, ``state_mib``, and ``peak_total_mib = state_mib + torch_peak_mib``.
-    ``None`` when the profiler records no allocation."""
+    """Run ``fn()`` once under ``torch.profiler(profile_memory=True)``: ``torch_peak_mib``, the highest total of
+    PyTorch's allocations during the call above what was allocated before (``None`` if none was recorded);
+    ``state_mib``, what ``kept`` (modules, optimizers, tensors) holds across it; ``peak_total_mib``, their sum."""
     from torch.profiler import ProfilerActivity, profile
 
     state = sum(_storages([k for k in kept if k is not None]).values()) / _MIB
@@ -122,15 +114,10 @@ def torch_peak_call(fn: Callable[[], object], *, kept: Iterable[object] = ()) ->
 
 def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *,
                        exclude: Iterable[torch.Tensor] = ()) -> dict[str, Any]:
-    """What one forward of ``module`` saves for backward (``saved_tensors_hooks``), per module.
-
-    Each saved storage counts once, for the innermost module running when it is saved, modules at the same place in
-    every block grouped (``blocks.*.attn``); parameters, buffers and ``exclude`` (the input) are left out. All of it is
-    alive when the forward ends and every gradient when backward ends, so the larger sum is a lower bound of a step.
-
-    Returns:
-        ``saved_mib``, ``saved_by_module`` (``{group: [MiB, applications]}``) and ``grads_mib``.
-    """
+    """What one forward of ``module`` saves for backward: ``saved_mib``, ``saved_by_module`` (``{group: [MiB,
+    applications]}``, each storage counted once for the innermost module running, the same place in every block one
+    group: ``blocks.*.attn``; parameters, buffers and ``exclude`` left out) and ``grads_mib``. All saved tensors are
+    alive when the forward ends, all gradients when backward ends: the larger is a lower bound of a step."""
     skip = set(_storages([module, *exclude]))
     stack: list[str] = []
     calls: dict[str, int] = {}
@@ -146,11 +133,11 @@ def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *
         stack.pop()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() and st.data_ptr() not in skip:
-            skip.add(st.data_ptr())
+        key = t.untyped_storage().data_ptr()
+        if key and key not in skip:
+            skip.add(key)
             where = stack[-1] if stack else "(model)"
-            saved[where] = saved.get(where, 0) + st.nbytes()
+            saved[where] = saved.get(where, 0) + t.untyped_storage().nbytes()
         return t
 
     handles = []

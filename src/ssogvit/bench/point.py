@@ -11,6 +11,8 @@ A point is a dict: ``kind`` (``"model"``: ``create_model(model, img_size=res)``;
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -46,45 +48,32 @@ def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module,
         from ssogvit.models import create_model
 
         res = int(spec["res"])
-        model = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {}))
-        gh, gw = grid_of(model, res)
-        info.update(grid=[gh, gw], tokens=model.num_prefix_tokens + gh * gw, gflops_per_image=count_flops(model, res))
-        module, x = model.to(device), torch.randn(batch, model.in_chans, res, res, device=device)
-
-        def forward():
-            return model(x)
+        module = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {})).to(device)
+        gh, gw = grid_of(module, res)
+        info.update(grid=[gh, gw], tokens=module.num_prefix_tokens + gh * gw, gflops=count_flops(module, res))
+        x = torch.randn(batch, module.in_chans, res, res, device=device)
+        forward = functools.partial(module, x)
     elif kind == "operator":
         from ssogvit.layers import create_mixer
 
         dim, heads, prefix, (gh, gw) = int(spec["dim"]), int(spec["heads"]), int(spec.get("prefix", 1)), spec["grid"]
-        options = dict(spec.get("mixer_options") or {})
-        x = torch.randn(batch, prefix + gh * gw, dim, device=device)
+        options, x = dict(spec.get("mixer_options") or {}), torch.randn(batch, prefix + gh * gw, dim, device=device)
         if spec["mixer"] == "torch-mha":
             module = torch.nn.MultiheadAttention(dim, heads, batch_first=True, **options).to(device)
-
-            def forward():
-                return module(x, x, x, need_weights=False)[0]
+            forward = functools.partial(module, x, x, x, need_weights=False)  # -> (output, None)
         else:
             module = create_mixer(spec["mixer"], dim, heads, **options).to(device)
-
-            def forward():
-                return module(x, grid=(gh, gw), num_prefix_tokens=prefix)
-        try:
-            info["gflops_per_image"] = mixer_flops(module, (gh, gw), prefix)["total"]
-        except TypeError:  # a mixer that does not count its FLOPs: timed and measured, no rates
-            info["gflops_per_image"] = None
+            forward = functools.partial(module, x, grid=(gh, gw), num_prefix_tokens=prefix)
+        with contextlib.suppress(TypeError):  # a mixer that does not count its FLOPs: timed and measured, no rates
+            info["gflops"] = mixer_flops(module, (gh, gw), prefix)["total"]
     elif kind == "matmul":  # the machine's dense matmul rate, the ceiling for every mixer
         size = int(spec.get("size", 2048))
         module, x = torch.nn.Linear(size, size, bias=False).to(device), torch.randn(size, size, device=device)
-        info["gflops_per_image"] = 2 * size**3
-
-        def forward():
-            return torch.mm(x, module.weight)
+        forward, info["gflops"] = functools.partial(torch.mm, x, module.weight), 2 * size**3
     else:
         raise ValueError(f"unknown point kind {kind!r}; expected 'model', 'operator' or 'matmul'")
-    if info["gflops_per_image"] is not None:
-        info["gflops_per_image"] /= 1e9
-    return module, forward, x, info
+    gflops = info.pop("gflops", None)
+    return module, forward, x, info | {"gflops_per_image": None if gflops is None else gflops / 1e9}
 
 
 def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: torch.device, precision: str,
@@ -104,7 +93,8 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
 
     def step():
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            loss = forward().float().mean()
+            out = forward()
+            loss = (out[0] if isinstance(out, tuple) else out).float().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,14 +1,11 @@
-"""Run benchmark points, each in a process of its own, and keep their results as JSON and CSV.
-
-``run_point`` starts one point (``ssogvit.bench.point``) in a new ``multiprocessing`` process, forked from the
-standard library's fork server (which has imported torch and ssogvit and run nothing) or a new interpreter, and always
-returns a row: ``status`` ``"ok"``, ``"oom"`` (an allocation failed, or the child was killed by SIGKILL, on Linux the
-kernel's OOM killer), ``"error"``, ``"timeout"`` or ``"skipped"`` (a smaller batch of the same configuration already
-ran out of memory). ``run_sweep`` runs a list in rounds (``repeats``), each point keeping its best repeat.
+"""Run benchmark points each in a process of its own (docs/benchmarks.md, "How a point is run"); keep the rows as
+JSON and CSV. A row's ``status``: ``"ok"``, ``"oom"`` (an allocation failed, or SIGKILL: on Linux the OOM killer),
+``"error"``, ``"timeout"`` or ``"skipped"`` (a smaller batch of the same configuration already ran out of memory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import io
@@ -55,15 +52,9 @@ def _child(point: dict, conn) -> None:
 
 
 def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: str = "forkserver") -> dict:
-    """Run one point in a process of its own and return the point merged with its result.
-
-    Args:
-        point: what to run (``ssogvit.bench.point``).
-        timeout: seconds before the point is killed and recorded as ``"timeout"``.
-        launcher: ``"forkserver"`` (forked from a server that imported torch and ssogvit once and never ran a model:
-            a clean start without the imports' cost) or ``"spawn"`` (a new interpreter, with ``OMP_NUM_THREADS`` set
-            to the point's ``threads``, for settings read at start-up).
-    """
+    """The point merged with its result, run in a process of its own: forked from the fork server, which imported
+    torch and ssogvit once and never ran a model (``launcher="forkserver"``), or a new interpreter with
+    ``OMP_NUM_THREADS`` set to the point's ``threads`` (``"spawn"``); killed after ``timeout`` seconds."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
     ctx = mp.get_context(launcher)
@@ -73,27 +64,21 @@ def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: 
     t0 = time.perf_counter()
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(point, send), daemon=True)
-    threads, saved = (str(point["threads"]) if launcher == "spawn" and point.get("threads") else None,
-                      os.environ.get("OMP_NUM_THREADS"))
-    if threads:
-        os.environ["OMP_NUM_THREADS"] = threads
+    env = dict(os.environ)
+    if launcher == "spawn" and point.get("threads"):
+        os.environ["OMP_NUM_THREADS"] = str(point["threads"])
     try:
         proc.start()
     finally:
-        if threads and saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        elif threads:
-            os.environ["OMP_NUM_THREADS"] = saved
+        os.environ.pop("OMP_NUM_THREADS", None)
+        os.environ.update({k: v for k, v in env.items() if k == "OMP_NUM_THREADS"})
     send.close()
     result = None
     timed_out = not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
     if timed_out:
         proc.kill()
-    else:
-        try:
-            result = recv.recv()
-        except EOFError:
-            pass
+    with contextlib.suppress(EOFError):
+        result = None if timed_out else recv.recv()
     proc.join()
     recv.close()
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -146,8 +131,7 @@ def _cell(v: Any) -> Any:
 
 
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: str) -> tuple[Path, Path]:
-    """Write ``{name}.json`` (meta and full rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``, each
-    atomically (``ssogvit.outputs``; a sweep rewrites its own files after every point)."""
+    """``{name}.json`` (meta and rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``, written atomically."""
     out = Path(out_dir)
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -159,8 +143,7 @@ def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: s
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
-    """``(meta, rows)`` of a results JSON written by ``write_results``. Rows written before points were timed in
-    blocks have no ``time_ms``; their mean time per call stands in for it."""
+    """``(meta, rows)`` of a ``write_results`` JSON (in rows from before block timing, the mean is ``time_ms``)."""
     data = json.loads(Path(path).read_text())
     rows = [r if "time_ms" in r or "time_ms_mean" not in r else r | {"time_ms": r["time_ms_mean"]}
             for r in data["rows"]]
@@ -203,14 +186,10 @@ def run_sweep(
     launcher: str = "forkserver", log: Callable[[str], None] | None = None, repeats: int = 1,
     repeat_below_ms: float | None = None,
 ) -> list[dict]:
-    """Run points one after another, each in its own process; a failed point is recorded and the sweep goes on.
-
-    With ``out_dir`` the JSON and CSV are rewritten after every point, so a stopped sweep keeps what it did. With
-    ``skip_after_oom`` a point whose configuration (everything but the batch) ran out of memory at a smaller batch is
-    ``"skipped"``. With ``repeats > 1`` the list runs again ``repeats - 1`` times, in rounds (a point's repeats are
-    minutes apart), for the points whose first time is below ``repeat_below_ms`` (all if ``None``); each keeps its
-    best repeat (``merge_repeat``): interference on a shared machine only ever adds time.
-    """
+    """Run points one after another (a failure is a row; the sweep goes on), the files under ``out_dir`` rewritten
+    after every point. With ``skip_after_oom`` a configuration that ran out of memory skips its larger batches. With
+    ``repeats > 1`` the points whose first time is below ``repeat_below_ms`` (all if ``None``) run again in rounds,
+    each keeping its best repeat (``merge_repeat``): interference on a shared machine only ever adds time."""
     points, log = list(points), log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows: list[dict] = []
     oom_at: dict[str, int] = {}

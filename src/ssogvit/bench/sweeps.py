@@ -20,9 +20,10 @@ from typing import Any
 from ssogvit.results import markdown_table
 
 __all__ = [
-    "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "default_mixers", "expand_impls", "fit_power_law",
-    "format_fits", "format_model_table", "format_operator_table", "format_saved_table", "model_points", "model_table",
-    "operator_fits", "operator_points", "operator_table", "parse_mixer", "parse_value",
+    "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "cell", "compare", "default_mixers",
+    "expand_impls", "fit_power_law", "format_fits", "format_model_table", "format_operator_table",
+    "format_saved_table", "model_points", "model_table", "operator_fits", "operator_points", "operator_table",
+    "parse_mixer", "parse_value", "times",
 ]
 
 #: the baseline the paper benchmarks each family against, where it is not the fused ``mha``
@@ -140,7 +141,7 @@ def _ok(r: dict) -> bool:
     return r.get("status") == "ok"
 
 
-def _against(r: dict, b: dict | None, speed: str) -> dict[str, float]:
+def compare(r: dict, b: dict | None, speed: str) -> dict[str, float]:
     """``r``'s ``speedup`` over its baseline ``b`` (by ``speed``: ``"time_ms"`` or ``"images_per_s"``),
     ``memory_ratio`` (peak over the baseline's), ``flop_bound`` (the baseline's FLOPs over these: the speed-up
     perfect implementations of both would show) and ``of_bound`` (the fraction of it reached)."""
@@ -159,9 +160,9 @@ def _against(r: dict, b: dict | None, speed: str) -> dict[str, float]:
 
 
 def operator_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
-    """Rows with their ratios (``_against``) to the baseline mixer at the same resolution and batch."""
+    """Rows with their ratios (``compare``) to the baseline mixer at the same resolution and batch."""
     base = {(r["res"], r["batch"]): r for r in rows if r.get("label") == baseline and _ok(r)}
-    return [r | _against(r, base.get((r["res"], r["batch"])), "time_ms") for r in rows]
+    return [r | compare(r, base.get((r["res"], r["batch"])), "time_ms") for r in rows]
 
 
 def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[str, int], PowerLaw]:
@@ -180,7 +181,7 @@ def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[
 
 def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
     """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, resolution and batch
-    (``_against`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
+    (``compare`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
     in turn, a group's rows appearing once per baseline."""
     out = []
     for family, size in dict.fromkeys((r["family"], r["size"]) for r in rows):
@@ -189,7 +190,7 @@ def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
         for name in bases:
             base = {(r["res"], r["batch"]): r for r in group if r.get("mixer") == name and _ok(r)}
             for r in (r for r in group if r.get("mixer") == name or r.get("mixer") not in bases):
-                ratios = {} if r.get("mixer") == name else _against(r, base.get((r["res"], r["batch"])),
+                ratios = {} if r.get("mixer") == name else compare(r, base.get((r["res"], r["batch"])),
                                                                      "images_per_s")
                 if "memory_ratio" in ratios:
                     ratios["memory_saved"] = 1.0 - ratios["memory_ratio"]
@@ -197,11 +198,13 @@ def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
     return out
 
 
-def _f(v: Any, fmt: str) -> str:
+def cell(v: Any, fmt: str = ".2f") -> str:
+    """A number as a table cell, ``-`` for none."""
     return format(v, fmt) if isinstance(v, int | float) else "-"
 
 
-def _x(v: Any) -> str:
+def times(v: Any) -> str:
+    """A ratio as a table cell (``2.50x``)."""
     return f"{v:.2f}x" if isinstance(v, int | float) else "-"
 
 
@@ -217,10 +220,10 @@ def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_pe
             lines.append(cells + [r.get("status")] + ["-"] * (len(head) - 5))
             continue
         rate = r.get("achieved_gflops_per_s")
-        lines.append(cells + [_f(r.get("time_ms"), ".2f"), _f(r.get("peak_mib"), ".1f"), _f(rate, ".1f"),
-                              _x(r.get("speedup")), _x(r.get("flop_bound")), _f(r.get("of_bound"), ".0%"),
-                              _x(r.get("memory_ratio"))]
-                     + ([_f((rate or 0) / matmul_peak, ".0%")] if matmul_peak else []))
+        lines.append(cells + [cell(r.get("time_ms"), ".2f"), cell(r.get("peak_mib"), ".1f"), cell(rate, ".1f"),
+                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("of_bound"), ".0%"),
+                              times(r.get("memory_ratio"))]
+                     + ([cell((rate or 0) / matmul_peak, ".0%")] if matmul_peak else []))
     return markdown_table(head, lines)
 
 
@@ -230,8 +233,8 @@ def format_fits(rows: Sequence[dict]) -> str:
     lines = []
     for key in sorted(set(mem) | set(time), key=lambda k: (k[1], k[0])):
         m, t = mem.get(key), time.get(key)
-        lines.append([key[0], key[1], _f(m and m.exponent, ".3f"), _f(m and m.r2, ".4f"), _f(t and t.exponent, ".3f"),
-                      _f(t and t.r2, ".4f"), (m or t).points])
+        lines.append([key[0], key[1], cell(m and m.exponent, ".3f"), cell(m and m.r2, ".4f"),
+                      cell(t and t.exponent, ".3f"), cell(t and t.r2, ".4f"), (m or t).points])
     return markdown_table(["mixer", "batch", "memory ~ N^k: k", "R^2", "time ~ N^k: k", "R^2", "points"], lines)
 
 
@@ -245,9 +248,9 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
         if not _ok(r):
             lines.append(cells + [r.get("status")] + ["-"] * 6)
             continue
-        lines.append(cells + [_f(r.get("images_per_s"), ".2f"), _f(r.get("time_ms"), ".1f"),
-                              _f(r.get("peak_mib"), ".1f"), _f(r.get("gflops_per_image"), ".1f"),
-                              _x(r.get("speedup")), _x(r.get("flop_bound")), _f(r.get("memory_saved"), ".0%")])
+        lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
+                              cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
+                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
     return markdown_table(["model", "compared with", "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
                    "speed-up", "FLOP bound", "memory saved"], lines)
 
@@ -262,9 +265,9 @@ def format_saved_table(rows: Sequence[dict]) -> str:
     steps = []
     for r in rows:
         bound = max(r["saved_mib"], r.get("grads_mib") or 0.0)
-        steps.append([r["label"], r["res"], r["batch"], _f(r.get("peak_mib"), ".1f"), _f(r.get("saved_mib"), ".1f"),
-                      _f(r.get("grads_mib"), ".1f"), _x(r["peak_mib"] / bound if r.get("peak_mib") and bound else None),
-                      _f(r.get("state_mib"), ".1f")])
+        ratio = r["peak_mib"] / bound if r.get("peak_mib") and bound else None
+        steps.append([r["label"], r["res"], r["batch"], cell(r.get("peak_mib"), ".1f"), cell(r.get("saved_mib"), ".1f"),
+                      cell(r.get("grads_mib"), ".1f"), times(ratio), cell(r.get("state_mib"), ".1f")])
     modules = [[r["label"], r["res"], r["batch"], module, f"{mib / calls:.2f}", calls, f"{mib:.1f}",
                 f"{mib / r['saved_mib']:.0%}"] for r in rows for module, (mib, calls) in r["saved_by_module"].items()]
     return (markdown_table(["model", "res", "batch", "step peak MiB", "saved for backward MiB", "gradients MiB",
