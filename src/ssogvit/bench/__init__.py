@@ -1,10 +1,5 @@
-"""Efficiency benchmarks (docs/benchmarks.md): analytic FLOPs, sweeps of points each in its own process, power-law
-fits, plots; the command line is ``ssogvit bench models|operator|flops|check|report`` (``ssogvit.bench.cli``).
-
-``count_flops(model, img_size)`` is the analytic forward FLOP count per image and ``flops_breakdown`` splits it (its
-``"mixer"`` entry is attention alone); ``run_sweep`` runs points (``ssogvit.bench.point``) each in a process of its
-own, timed with ``torch.utils.benchmark.Timer``.
-"""
+"""Efficiency benchmarks (docs/benchmarks.md): analytic FLOPs, points each in a process of its own, fits and plots;
+the command line is ``ssogvit bench models|operator|flops|check|report`` (``ssogvit.bench.cli``)."""
 
 from ssogvit.bench.flops import count_flops, flops_breakdown, measure_flops, mixer_flops
 from ssogvit.bench.runner import read_results, run_point, run_sweep, write_results

@@ -1,11 +1,5 @@
-"""``ssogvit bench check``: the points that compare SSoG with attention, judged against the thresholds given.
-
-At ViT-B width (D = 768, 12 heads, R = 4, patch 16), each point in its own process: the mixer alone (fused attention,
-fixed and steered SSoG) at every resolution and batch, whole models against their MHA twin (inference), training
-steps (forward, backward, AdamW step), and a 2048^3 matmul, the machine's dense rate. Each threshold given
-(``Thresholds``) is a pass/fail verdict; a comparison without one is reported. The FLOP bound a perfect
-implementation would reach is the ratio of the two points' FLOP counts (``ssogvit.bench.flops``).
-"""
+"""``ssogvit bench check``: SSoG against attention at ViT-B width (the mixer alone, whole models, training steps, a
+2048^3 matmul), each comparison judged against the threshold given, or reported (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -26,18 +20,8 @@ MIXERS = ("mha", "ssog", "ssog-steered")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What ``evaluate`` judges; ``None`` reports the figure without a verdict.
-
-    Attributes:
-        min_bound_fraction: fixed SSoG's speed-up over attention (mixer alone and whole model, inference) at least
-            this fraction of the FLOP bound.
-        min_model_speedup: whole model and training step at least this much faster than the MHA twin.
-        max_memory_ratio: the mixer's peak memory at most this multiple of fused attention's.
-        max_memory_exponent: fixed SSoG's fitted ``k`` in ``memory ~ N^k`` at most this.
-        max_train_memory_ratio: a training step's peak memory at most this multiple of the MHA twin's.
-        max_steered_time_ratio: steered SSoG's time at most this multiple of fixed SSoG's (mixer alone).
-        max_steered_memory_ratio: steered SSoG's peak memory at most this multiple of fixed SSoG's.
-    """
+    """What ``evaluate`` judges (docs/benchmarks.md has the table of what each means); ``None`` reports the figure
+    without a verdict."""
 
     min_bound_fraction: float | None = None
     min_model_speedup: float | None = None
@@ -53,23 +37,25 @@ class Thresholds:
 
 
 @functools.cache
-def _block_flops(res: int, mixer: str, *, whole_block: bool) -> int:
-    """FLOPs of one ViT-B block's mixer (and MLP, ``whole_block``) at ``res``, counted on the modules."""
+def _bound(res: int, whole_block: bool) -> float:
     from ssogvit.bench.flops import flops_breakdown
     from ssogvit.models import create_model
 
-    parts = flops_breakdown(create_model(f"vit-base-{mixer}", depth=1, img_size=res), res)
-    return parts["mixer"] + (parts["mlp"] if whole_block else 0)
+    def flops(mixer: str) -> int:  # one ViT-B block's mixer (and MLP), counted on the modules
+        parts = flops_breakdown(create_model(f"vit-base-{mixer}", depth=1, img_size=res), res)
+        return parts["mixer"] + (parts["mlp"] if whole_block else 0)
+
+    return flops("mha") / flops("ssog")
 
 
 def mixer_bound(res: int) -> float:
     """The speed-up of fixed SSoG over attention that the FLOP counts allow at ViT-B width, mixer alone."""
-    return _block_flops(res, "mha", whole_block=False) / _block_flops(res, "ssog", whole_block=False)
+    return _bound(res, False)
 
 
 def model_bound(res: int) -> float:
     """The same bound for a whole ViT-B block (mixer plus MLP)."""
-    return _block_flops(res, "mha", whole_block=True) / _block_flops(res, "ssog", whole_block=True)
+    return _bound(res, True)
 
 
 def check_points(*, resolutions: Sequence[int] = RESOLUTIONS, batches: Sequence[int] = (1, 8),

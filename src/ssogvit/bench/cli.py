@@ -1,9 +1,6 @@
-"""``ssogvit bench models|operator|flops|check|report``: the efficiency benchmarks of docs/benchmarks.md.
-
-Arguments are declared (``ssogvit.inputs``) and refused in one line; the files a run writes are checked before any
-work (none replaced without ``--overwrite``) and written atomically (``ssogvit.outputs``), the results after every
-point, so a stopped sweep keeps what it did.
-"""
+"""``ssogvit bench models|operator|flops|check|report`` (docs/benchmarks.md). Arguments are declared
+(``ssogvit.inputs``); a run's files are checked before any work, never replaced without ``--overwrite``, and written
+atomically after every point (``ssogvit.outputs``)."""
 
 from __future__ import annotations
 
@@ -28,42 +25,34 @@ COUNT, POSITIVE, POSITIVE_NUMBER = Int(0), Int(1), Float(0, low_open=True)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    """The options of every sweep; docs/benchmarks.md has the table of what each means."""
+    """The options of every sweep (docs/benchmarks.md has the table of what each means)."""
     add = p.add_argument
-    add("--res", type=IMG_SIZE.argparse, nargs="+", default=RESOLUTIONS, help="image resolutions (default %(default)s)")
-    add("--batch", type=BATCH_SIZE.argparse, nargs="+", default=None,
-        help="batch sizes (default: models 8..512 on CUDA, 1 4 on CPU; operator 8)")
-    add("--warmup", type=COUNT.argparse, default=10, help="warm-up calls (default 10)")
-    add("--iters", type=COUNT.argparse, default=50, help="calls per timed block (default 50; 0: memory only)")
-    add("--blocks", type=POSITIVE.argparse, default=3, help="timed blocks per point; the fastest is kept (default 3)")
+    add("--res", type=IMG_SIZE.argparse, nargs="+", default=RESOLUTIONS, help="image resolutions")
+    add("--batch", type=BATCH_SIZE.argparse, nargs="+", help="batch sizes (default: models 1 4 on CPU; operator 8)")
+    add("--warmup", type=COUNT.argparse, default=10, help="warm-up calls")
+    add("--iters", type=COUNT.argparse, default=50, help="calls per timed block (0: memory only)")
+    add("--blocks", type=POSITIVE.argparse, default=3, help="timed blocks per point; the fastest is kept")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    add("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-        help="autocast precision (default: fp16 on CUDA, fp32 on CPU)")
-    add("--mode", default="inference", choices=["inference", "train"],
-        help="inference (torch.inference_mode) or a training step (forward, backward, AdamW step)")
-    add("--threads", type=Int(1, 1024).argparse, default=None, help="torch threads in each point's process")
-    add("--mem-cap-mib", type=POSITIVE_NUMBER.argparse, default=None, help="memory cap per point (CPU: address space, "
-        "RLIMIT_AS; CUDA: a memory fraction); a point over it is out of memory")
+    add("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="autocast (auto: fp16 on CUDA)")
+    add("--mode", default="inference", choices=["inference", "train"], help="train: forward, backward, AdamW step")
+    add("--threads", type=Int(1, 1024).argparse, help="torch threads in each point's process")
+    add("--mem-cap-mib", type=POSITIVE_NUMBER.argparse, help="memory cap per point (out of memory beyond it)")
     add("--no-memory", action="store_true", help="skip the peak-memory call")
-    add("--memory", default="allocator", choices=["allocator", "resident", "both"],
-        help="CPU peak memory: PyTorch's allocator (default), the resident set, or both")
+    add("--memory", default="allocator", choices=["allocator", "resident", "both"], help="CPU peak memory measure")
     add("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
-    add("--launcher", default="forkserver", choices=["forkserver", "spawn"],
-        help="each point's process: forked from a server that imported torch and ssogvit (default), or a new one")
-    add("--repeats", type=POSITIVE.argparse, default=1,
-        help="rounds of fresh processes; each point keeps its fastest time and lowest peak memory (default 1)")
-    add("--repeat-below-ms", type=POSITIVE_NUMBER.argparse, default=None, help="repeat only points whose first time is "
-                                                                       "below this")
+    add("--launcher", default="forkserver", choices=["forkserver", "spawn"], help="how a point's process starts")
+    add("--repeats", type=POSITIVE.argparse, default=1, help="rounds of fresh processes; each point keeps its best")
+    add("--repeat-below-ms", type=POSITIVE_NUMBER.argparse, help="repeat only points first timed below this")
     add("--timeout", type=POSITIVE_NUMBER.argparse, default=1800, help="seconds before a point is abandoned")
     _add_output_options(p, "bench-results")
 
 
 def _add_output_options(p: argparse.ArgumentParser, out: str | None) -> None:
     p.add_argument("--out", default=out, help="directory of the results" + (f" (default {out})" if out else ""))
-    p.add_argument("--name", default=None, help="file stem of the results (default: the sub-command)")
+    p.add_argument("--name", help="file stem of the results (default: the sub-command)")
     p.add_argument("--overwrite", action="store_true", help="replace results a run of the same name wrote")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--baseline", default=None, help="mixer the ratios are taken against (default mha, else the first)")
+    p.add_argument("--baseline", help="mixer the ratios are taken against (default mha, else the first)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,6 +131,19 @@ def _outputs(command: str, name: str, plots: bool) -> list[str]:
     return [name + s for s in [".json", ".csv", ".md", *figures]]
 
 
+def _sweep(points: list[dict], args: argparse.Namespace, common: dict[str, Any], out: Path, name: str,
+           command_line: str, **meta: Any) -> tuple[list[dict], dict]:
+    """Run ``points`` into ``out/name.*``: the rows, and the meta (machine, command, load before and after)."""
+    from ssogvit.bench.runner import machine_info, run_sweep, write_results
+
+    meta = machine_info(common["device"]) | {"command": command_line, "points": len(points)} | meta
+    rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
+                     repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
+    meta["loadavg_end"] = machine_info(common["device"])["loadavg"]
+    write_results(rows, meta, out, name)
+    return rows, meta
+
+
 def _write_table(text: str, out: Path, name: str) -> None:
     print(text)
     write_text(out / f"{name}.md", text + "\n", overwrite=True)
@@ -157,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     command_line = "ssogvit bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.command in ("flops", "report"):
         return _flops(args) if args.command == "flops" else _report(args)
-    from ssogvit.bench.runner import machine_info, run_sweep, write_results
     from ssogvit.bench.sweeps import expand_impls, model_points, operator_points, parse_mixer, parse_value
 
     common, name = _common(args), args.name or args.command
@@ -184,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             points.insert(0, dict(kind="matmul", label="matmul-2048", size=2048, res=None, tokens=None, batch=1,
                                   **{**common, "measure_memory": False}))
     out = _claim(args.out, _outputs(args.command, name, not args.no_plots), args.overwrite)
-    meta = machine_info(common["device"]) | {"command": command_line, "points": len(points)}
-    rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
-                     repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
-    meta["loadavg_end"] = machine_info(common["device"])["loadavg"]
-    write_results(rows, meta, out, name)
+    rows, meta = _sweep(points, args, common, out, name, command_line)
     print(f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
           f"{common['device']}, load average {meta['loadavg']} -> {meta['loadavg_end']}\n")
     baseline = _baseline(points, "mixer" if args.command == "models" else "label", args.baseline)
@@ -202,23 +199,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str, *, plots: bool = True) -> None:
     """The tables (printed and ``NAME.md``) and plots of a sweep's rows."""
-    from ssogvit.bench import plots as figures
-    from ssogvit.bench.sweeps import format_fits, format_model_table, format_operator_table, format_saved_table
+    from ssogvit.bench import sweeps
 
     if command == "models":
-        saved = format_saved_table(rows)
-        _write_table(format_model_table(rows, baseline) + (f"\nWhere the bytes go\n\n{saved}" if saved else ""), out,
-                     name)
-        drawn = [figures.plot_relative(rows, out / f"{name}_relative.png", baseline),
-                 figures.plot_models(rows, out / f"{name}_absolute.png")] if plots else []
+        saved = sweeps.format_saved_table(rows)
+        table = sweeps.format_model_table(rows, baseline)
+        _write_table(table + (f"\nWhere the bytes go\n\n{saved}" if saved else ""), out, name)
+        drawn = [sweeps.plot_relative(rows, out / f"{name}_relative.png", baseline),
+                 sweeps.plot_models(rows, out / f"{name}_absolute.png")] if plots else []
     else:
         peak = next((r for r in rows if r.get("kind") == "matmul" and r.get("status") == "ok"), None)
         rows = [r for r in rows if r.get("kind") != "matmul"]
-        text = format_operator_table(rows, baseline, peak and peak["achieved_gflops_per_s"])
+        text = sweeps.format_operator_table(rows, baseline, peak and peak["achieved_gflops_per_s"])
         if peak:
             text = f"matmul peak (2048^3 torch.mm): {peak['achieved_gflops_per_s']:.1f} GFLOP/s\n\n" + text
-        _write_table(text + "\n" + format_fits(rows), out, name)
-        drawn = [figures.plot_operator(rows, out / f"{name}_fit.png")] if plots else []
+        _write_table(text + "\n" + sweeps.format_fits(rows), out, name)
+        drawn = [sweeps.plot_operator(rows, out / f"{name}_fit.png")] if plots else []
     for p in filter(None, drawn):
         print(f"wrote {p}")
 
@@ -246,17 +242,15 @@ def _report(args: argparse.Namespace) -> int:
     for m, k in ((m, k) for m in metas[1:] for k in ("cpu", "gpu", "torch") if m.get(k) != metas[0].get(k)):
         raise UsageError(f"{m['file']} was measured with {k} {m.get(k)!r} and {metas[0]['file']} with "
                          f"{metas[0].get(k)!r}: timings of different machines cannot share one table")
-    keyed: dict[tuple, dict] = {}
+    keyed: dict[tuple, dict] = {}  # the file given last wins a point measured in several
     seen_in: dict[tuple, list[str]] = {}
-    for f, part in parts:
-        for r in part:
-            key = tuple(r.get(k) for k in ("kind", "label", "res", "batch", "mode", "dtype", "device", "threads"))
-            keyed[key] = r
-            seen_in.setdefault(key, []).append(Path(f).name)
-    rows = list(keyed.values())
-    command = "models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator"
-    first = Path(args.files[0])
-    name = args.name or first.stem + "_report"
+    for f, r in ((f, r) for f, part in parts for r in part):
+        key = tuple(r.get(k) for k in ("kind", "label", "res", "batch", "mode", "dtype", "device", "threads"))
+        keyed[key] = r
+        seen_in.setdefault(key, []).append(Path(f).name)
+    rows, first = list(keyed.values()), Path(args.files[0])
+    command, name = ("models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator",
+                     args.name or first.stem + "_report")
     out = _claim(args.out or first.parent, _outputs(command, name, not args.no_plots), args.overwrite)
     repeated = {k: files for k, files in seen_in.items() if len(files) > 1}
     rule = "a point measured in several files is taken from the file given last on the command line"
@@ -282,22 +276,21 @@ def _flops(args: argparse.Namespace) -> int:
     names = [f"{fam}-{size}-{mixer}" for fam in args.families for size in args.sizes for mixer in args.mixers]
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.check else None  # the check takes minutes
     rows = flops_rows(names, args.res, check=args.check, model_kwargs={"num_classes": args.num_classes}, log=log)
-    text = format_flops_table(rows)
-    print(text)
+    print(text := format_flops_table(rows))
     if out is not None:
         table = io.StringIO()
         writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-        for file, content in (("flops.json", json.dumps(rows, indent=1) + "\n"), ("flops.md", text + "\n"),
-                              ("flops.csv", table.getvalue())):
-            write_text(out / file, content, overwrite=True)
+        contents = {"json": json.dumps(rows, indent=1) + "\n", "md": text + "\n", "csv": table.getvalue()}
+        for file, content in contents.items():
+            write_text(out / f"flops.{file}", content, overwrite=True)
     return 0
 
 
 def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_line: str) -> int:
     from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
-    from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
+    from ssogvit.bench.runner import read_results
 
     limits = Thresholds(**{k: getattr(args, k) for k in Thresholds.names()})
     written = [f"{name}_checks.json", f"{name}_table.md"] + ([] if args.from_json else [f"{name}.json", f"{name}.csv"])
@@ -313,12 +306,8 @@ def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_
                               model_batch=args.model_batch, train_resolutions=args.train_res,
                               train_batches=args.train_batch, **common)
         out = _claim(args.out, written, args.overwrite)
-        meta = machine_info(common["device"]) | {"command": command_line, "points": len(points),
-                                                 "repeats": args.repeats, "repeat_below_ms": args.repeat_below_ms}
-        rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
-                         repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
-        meta["loadavg_end"] = machine_info(common["device"])["loadavg"]
-        write_results(rows, meta, out, name)
+        rows, meta = _sweep(points, args, common, out, name, command_line, repeats=args.repeats,
+                            repeat_below_ms=args.repeat_below_ms)
     checks = evaluate(rows, limits)
     write_text(out / f"{name}_checks.json", json.dumps(checks, indent=1) + "\n", overwrite=True)
     header = (f"# {meta['command']}\n# {meta.get('cpu')}, torch {meta.get('torch')}, {meta.get('torch_threads')} "

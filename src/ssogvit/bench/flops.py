@@ -1,13 +1,6 @@
-"""Forward FLOPs per image, counted analytically from a model's structure (docs/benchmarks.md, paper Table 4).
-
-Two FLOPs per multiply-add. With ``T = P + N`` tokens (``P`` prefix tokens, ``N = Gh * Gw`` patches), width ``D``,
-``R`` atoms: patch embedding ``N D C p^2``; every linear layer of a block on all ``T`` tokens, except SSoG's value
-projection (``N`` patches: prefix outputs are means of patch values, docs/operator.md); attention core ``2 T^2 D``;
-SSoG core ``R D N (Gh + Gw)`` plus ``P N D`` for the prefix aggregates; steering maps ``N D 5 H R``; head one vector
-per image. Norms, activations, softmax, kernel construction and residual additions are not counted. A block counts
-once per application (``model.depth``). The count is checked against ``torch.utils.flop_counter.FlopCounterMode``
-(``measure_flops``).
-"""
+"""Forward FLOPs per image, counted analytically from a model's modules (docs/benchmarks.md, "FLOPs: the convention",
+paper Table 4): 2 per multiply-add, each linear layer and attention core per application, SSoG's values on the patches
+only, its ``R D N (Gh + Gw)`` mixing and ``P N D`` prefix means; norms, softmax and kernel tables not counted."""
 
 from __future__ import annotations
 
@@ -33,14 +26,10 @@ TABLE4_ATTENTION = {"mha": {224: 12.6, 768: 326.4}, "ssog": {224: 6.0, 768: 81.7
 _ATTENTION = (Attention, TimmAttention, nn.MultiheadAttention)
 
 
-def _is_mixer(m: nn.Module) -> bool:
-    return is_ssog(m) or isinstance(m, _ATTENTION) or callable(getattr(m, "flops", None))
-
-
 def find_mixers(module: nn.Module) -> list[nn.Module]:
     """Token mixers inside ``module`` (outermost only): SSoG, dense attention, or a mixer that counts its own
     ``flops(grid, num_prefix_tokens)``; recognised by class, never by parameter names."""
-    if _is_mixer(module):
+    if is_ssog(module) or isinstance(module, _ATTENTION) or callable(getattr(module, "flops", None)):
         return [module]
     return [m for child in module.children() for m in find_mixers(child)]
 
@@ -125,23 +114,19 @@ def count_flops(model: nn.Module, img_size: int | tuple[int, int]) -> int:
     return flops_breakdown(model, img_size)["total"]
 
 
-def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _native_mha_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    (b, lq, e), lk = query_shape, key_shape[1]  # nn.MultiheadAttention's fast path: projections and core
-    return 2 * (2 * b * lq * e * e + 2 * b * lk * e * e + 2 * b * lq * lk * e)
-
-
 def _custom_mapping() -> dict:
     """CPU SDPA and ``nn.MultiheadAttention``'s fast path, absent from torch's FLOP registry (they count 0 there)."""
-    aten = torch.ops.aten
-    pairs = [("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flop),
-             ("_native_multi_head_attention", _native_mha_flop)]
-    return {getattr(aten, name): fn for name, fn in pairs if hasattr(aten, name)}
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    def sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def native_mha(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        (b, lq, e), lk = query_shape, key_shape[1]  # projections and core
+        return 2 * (2 * b * lq * e * e + 2 * b * lk * e * e + 2 * b * lq * lk * e)
+
+    pairs = [("_scaled_dot_product_flash_attention_for_cpu", sdpa), ("_native_multi_head_attention", native_mha)]
+    return {getattr(torch.ops.aten, name): fn for name, fn in pairs if hasattr(torch.ops.aten, name)}
 
 
 def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans: int | None = None) -> int:

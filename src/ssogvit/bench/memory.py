@@ -1,8 +1,6 @@
-"""Peak memory of one call (docs/benchmarks.md, "Peak memory: what is measured"): CUDA's allocator counters, PyTorch's
-CPU allocation events (the default: bytes requested, the same in every process), or the resident set (Linux: free
-heap pages returned, large blocks mapped on their own, the high-water mark reset, ``VmHWM - VmRSS`` around the call);
-and what a forward saves for backward, per module.
-"""
+"""Peak memory of one call (docs/benchmarks.md, "Peak memory: what is measured"): CUDA's allocator counters; PyTorch's
+CPU allocation events (the default: bytes requested, the same in every process); the resident set (``VmHWM - VmRSS``
+around the call, free heap pages returned first); what a forward saves for backward, per module."""
 
 from __future__ import annotations
 

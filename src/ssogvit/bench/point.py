@@ -1,13 +1,7 @@
-"""One benchmark point in a process of its own (``ssogvit.bench.runner`` starts it; docs/benchmarks.md, "How a point
-is run"): build it, warm it up, time ``blocks`` blocks of ``iters`` calls with ``torch.utils.benchmark.Timer`` (the
-fastest block is the point's time), measure one call's peak memory (``ssogvit.bench.memory``). ``run`` never raises:
-a failure is the row's ``status`` (``"oom"`` for an allocation failure, else ``"error"``).
-
-A point is a dict: ``kind`` (``"model"``: ``create_model(model, img_size=res)``; ``"operator"``: a registered mixer or
-``"torch-mha"`` on ``prefix + Gh * Gw`` tokens; ``"matmul"``: a ``size``-cubed ``torch.mm``), ``batch``, ``mode``
-(``"inference"``, or ``"train"``: forward, the output's mean as loss, backward, AdamW step), ``dtype``, ``device``,
-``threads``, ``warmup``, ``iters``, ``blocks``, ``memory`` and an optional ``mem_cap_mib``.
-"""
+"""One benchmark point in a process of its own (docs/benchmarks.md, "How a point is run"). A point is a dict: ``kind``
+(``"model"``, ``"operator"``: a registered mixer or ``"torch-mha"``, ``"matmul"``), ``batch``, ``mode`` (``"train"``:
+forward, the output's mean as loss, backward, AdamW step), ``dtype``, ``device``, ``threads``, ``warmup``, ``iters``,
+``blocks``, ``memory``, ``mem_cap_mib``. ``run`` never raises: a failure is the row's ``status``."""
 
 from __future__ import annotations
 

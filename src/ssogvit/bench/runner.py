@@ -1,7 +1,6 @@
-"""Run benchmark points each in a process of its own (docs/benchmarks.md, "How a point is run"); keep the rows as
-JSON and CSV. A row's ``status``: ``"ok"``, ``"oom"`` (an allocation failed, or SIGKILL: on Linux the OOM killer),
-``"error"``, ``"timeout"`` or ``"skipped"`` (a smaller batch of the same configuration already ran out of memory).
-"""
+"""Run points each in a process of its own (docs/benchmarks.md, "How a point is run"); rows as JSON and CSV. A row's
+``status``: ``ok``, ``oom`` (an allocation failed, or SIGKILL: on Linux the OOM killer), ``error``, ``timeout`` or
+``skipped`` (a smaller batch of the same configuration already ran out of memory)."""
 
 from __future__ import annotations
 
@@ -122,21 +121,17 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
-def _cell(v: Any) -> Any:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, list | tuple):
-        return "x".join(str(x) for x in v)
-    return "" if v is None else v
-
-
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: str) -> tuple[Path, Path]:
     """``{name}.json`` (meta and rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``, written atomically."""
-    out = Path(out_dir)
-    table = io.StringIO()
+
+    def cell(v: Any) -> Any:
+        return (f"{v:.6g}" if isinstance(v, float) else "x".join(map(str, v)) if isinstance(v, list | tuple)
+                else "" if v is None else v)
+
+    out, table = Path(out_dir), io.StringIO()
     writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows({k: _cell(r.get(k)) for k in CSV_FIELDS} for r in rows)
+    writer.writerows({k: cell(r.get(k)) for k in CSV_FIELDS} for r in rows)
     text = json.dumps({"meta": meta, "rows": list(rows)}, indent=1, default=str) + "\n"
     return write_text(out / f"{name}.json", text, overwrite=True), write_text(out / f"{name}.csv", table.getvalue(),
                                                                              overwrite=True)
@@ -192,31 +187,29 @@ def run_sweep(
     each keeping its best repeat (``merge_repeat``): interference on a shared machine only ever adds time."""
     points, log = list(points), log or (lambda s: print(s, file=sys.stderr, flush=True))
     rows: list[dict] = []
-    oom_at: dict[str, int] = {}
-    for rnd in range(1, repeats + 1):
-        todo = range(len(points)) if rnd == 1 else [
-            i for i, r in enumerate(rows)
-            if r.get("status") == "ok" and (repeat_below_ms is None or (r.get("time_ms") or 0.0) < repeat_below_ms)]
+    oom_at: dict[str, int] = {}  # configuration (everything but the batch) -> the smallest batch out of memory
+    for i, point in enumerate(points, 1):
+        key = json.dumps({k: v for k, v in point.items() if k not in ("batch", "seed")}, sort_keys=True, default=str)
+        if skip_after_oom and int(point["batch"]) > oom_at.get(key, math.inf):
+            row = dict(point, status="skipped", error=f"batch {oom_at[key]} already ran out of memory")
+        else:
+            row = run_point(point, timeout=timeout, launcher=launcher)
+        if row["status"] == "oom":
+            oom_at[key] = min(oom_at.get(key, math.inf), int(point["batch"]))
+        rows.append(row)
+        log(f"[{i}/{len(points)}] {describe(row)}")
+        if out_dir is not None:
+            write_results(rows, meta or {}, out_dir, name)
+    for rnd in range(2, repeats + 1):
+        todo = [i for i, r in enumerate(rows) if r.get("status") == "ok"
+                and (repeat_below_ms is None or (r.get("time_ms") or 0.0) < repeat_below_ms)]
         if not todo:
             break
-        if rnd > 1:
-            log(f"repeat {rnd}/{repeats}: {len(todo)} points")
+        log(f"repeat {rnd}/{repeats}: {len(todo)} points")
         for k, i in enumerate(todo, 1):
-            point = points[i]
-            key = json.dumps({a: v for a, v in point.items() if a not in ("batch", "seed")}, sort_keys=True,
-                             default=str)
-            if rnd == 1 and skip_after_oom and int(point["batch"]) > oom_at.get(key, math.inf):
-                row = dict(point, status="skipped", error=f"batch {oom_at[key]} already ran out of memory")
-            else:
-                row = run_point(point, timeout=timeout, launcher=launcher)
-            if rnd == 1:
-                if row["status"] == "oom":
-                    oom_at[key] = min(oom_at.get(key, math.inf), int(point["batch"]))
-                rows.append(row)
-                log(f"[{k}/{len(points)}] {describe(row)}")
-            else:
-                rows[i] = merge_repeat(rows[i], row)
-                log(f"[{k}/{len(todo)}] {describe(row)}")
-            if out_dir is not None and (rnd == 1 or k == len(todo)):
-                write_results(rows, meta or {}, out_dir, name)
+            again = run_point(points[i], timeout=timeout, launcher=launcher)
+            log(f"[{k}/{len(todo)}] {describe(again)}")
+            rows[i] = merge_repeat(rows[i], again)
+        if out_dir is not None:
+            write_results(rows, meta or {}, out_dir, name)
     return rows
