@@ -253,14 +253,17 @@ def test_convert_refuses_bad_input(teacher_file, tmp_path):
         convert(_config(teacher_file, tmp_path / "b", "data.img_size=32"))
     with pytest.raises(CheckpointError, match="does not exist"):
         convert(_config(tmp_path / "missing.safetensors", tmp_path / "c"))
-    with pytest.raises(ValueError, match="unknown conversion recipe 'fast'"):
+    with pytest.raises(ValueError, match="convert.recipe='fast': expected one of 'logits'"):
         convert(_config(teacher_file, tmp_path / "d", "convert.recipe=fast"))
-    kept = tmp_path / "kept"
+    kept = tmp_path / "kept"  # a finished training run, and a file of the user's
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="already holds files"):
+    (kept / "config.yaml").write_text("seed: 1\n")
+    (kept / "run.json").write_text('{"status": "finished", "command": "train"}')
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    with pytest.raises(ValueError, match="holds a run of `ssogvit train`, not of `ssogvit convert`"):
         convert(_config(teacher_file, kept))
-    assert (kept / "notes.txt").read_text() == "mine" and sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before  # not even a lock file
 
 
 def test_steered_fit_moves_the_steering_maps():
@@ -329,5 +332,5 @@ def test_convert_takes_hydra_forms_and_paths_with_equals_signs(teacher_file, tmp
     assert swept.returncode == 0, swept.stderr[-3000:]
     assert len(list(out.rglob("export/model.safetensors"))) == 2  # one run folder per job
     bad = _cli("--teacher", str(teacher), "convert.recipe=fast", *TINY, "output_dir=" + str(tmp_path / "x"))
-    assert bad.returncode == 2 and "unknown conversion recipe 'fast'" in bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "convert.recipe='fast': expected one of" in bad.stderr.strip().splitlines()[-1]
     assert "Traceback" not in bad.stderr

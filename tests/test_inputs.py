@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ssogvit import inputs
+from ssogvit.models import check_model_config
 from ssogvit.inputs import (
     IMG_SIZE,
     Choice,
@@ -28,7 +29,6 @@ from ssogvit.inputs import (
     Text,
     check_device,
     check_memory,
-    check_model_config,
     checked,
     input_file,
     input_folder,

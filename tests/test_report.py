@@ -74,14 +74,14 @@ def test_report_never_overwrites_unless_forced(runs, capsys):
     assert cli(["report", str(paper), "--table", "1", "--out", str(out)]) == 2
     assert "already exist" in capsys.readouterr().err
     assert (out / "table1.md").read_text() == "mine"
-    assert cli(["report", str(paper), "--table", "1", "--out", str(out), "--force"]) == 0
+    assert cli(["report", str(paper), "--table", "1", "--out", str(out), "--overwrite"]) == 0
     assert "| Fixed |" in (out / "table1.md").read_text()
 
 
 def test_report_refuses_bad_input_with_exit_2(runs, tmp_path, capsys):
     root, paper, plain = runs
     p = ssogvit("report", tmp_path / "nowhere", "--out", tmp_path / "o")
-    assert p.returncode == 2 and "no config.yaml" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "nowhere does not exist" in p.stderr and "Traceback" not in p.stderr
     assert cli(["report", str(plain), "--table", "1", "--out", str(tmp_path / "o")]) == 2
     assert "reproduce no row of Table 1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -484,8 +484,9 @@ def test_export_cli_fails_with_exit_2_when_parity_is_worse_than_the_tolerance(tm
     monkeypatch.setattr(ssogvit.export, "parity", lambda *a, **k: 6.0)  # what the old TorchScript export measured
     assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "torchscript"]) == 2
     err = capsys.readouterr().err
-    assert "6.000e+00 is worse than the tolerance 1e-04" in err and (tmp_path / "model.pt").is_file()
-    with pytest.raises(SystemExit) as refused:  # the option's declaration refuses it, argparse's one line
+    assert "6.000e+00 is worse than the tolerance 1e-04" in err and "was not written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.safetensors"]  # no file, no temporary
+    with pytest.raises(SystemExit) as exit_:
         ssogvit.export.main(["--ckpt", str(ckpt), "--format", "onnx", "--tolerance", "-1"])
-    assert refused.value.code == 2
+    assert exit_.value.code == 2
     assert "argument --tolerance: expected a number >= 0, got '-1'" in capsys.readouterr().err

@@ -285,7 +285,7 @@ def test_eval_and_transfer_commands(trained, tmp_path, capsys):
     assert math.isclose(got["top1"], summary["best"], abs_tol=1e-3) and got["images"] == 32
     # another image size (dynamic resolution) and another patch size (FlexiViT resize of the patch embedding)
     assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "--patch-size", "2",
-                      "--json", str(res), "--device", "cpu"]) == 0
+                      "--json", str(res), "--overwrite", "--device", "cpu"]) == 0
     got = json.loads(res.read_text())
     assert got["img_size"] == 24 and got["patch_size"] == 2 and 0 <= got["top1"] <= 100
     # linear probe onto a 4-class dataset: only the new head may change

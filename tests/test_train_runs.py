@@ -210,7 +210,7 @@ def test_a_failed_launch_writes_nothing(finished, tmp_path, capsys):
         assert cli_main(["train", *tiny(finished, "resume=null")]) == 2
         assert_clear_error(2, capsys.readouterr().err, "unfinished run", "resume=auto")
         assert digest(finished) == before
-        assert cli_main(["eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(res)]) == 0
+        assert cli_main(["eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(res), "--overwrite"]) == 0
         assert json.loads(res.read_text())["top1"] == top1
     finally:
         (finished / "run.json").write_text(json.dumps({"status": "finished"}))
@@ -226,7 +226,7 @@ def test_a_folder_with_run_files_but_no_config_is_refused(tmp_path, capsys):
     (out / "checkpoints" / "step=0000500.ckpt").write_bytes(b"x")
     assert cli_main(["train", *tiny(out)]) == 2
     assert_clear_error(2, capsys.readouterr().err, "files of another run", "checkpoints")
-    assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "checkpoints"]
+    assert folder_state(out) == "foreign" and sorted(p.name for p in out.iterdir()) == ["checkpoints"]
     (tmp_path / "file").write_text("x")  # output_dir names a file
     assert cli_main(["train", *tiny(tmp_path / "file")]) == 2
     assert_clear_error(2, capsys.readouterr().err, "is a file, not a folder")

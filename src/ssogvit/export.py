@@ -7,12 +7,16 @@ The file takes any batch size and, where the format allows, any image size the p
 traced image size (the TorchScript-based ONNX exporter has no translation of the position embedding's antialiased
 bicubic resize, and a traced TorchScript graph holds SSoG's grid as constants), and say so: onnxruntime refuses
 another size by the file's declared input shape, the TorchScript file by a check of its own. ``--static`` exports
-without dynamic dimensions (an ONNX file or exported program then refuses any other shape). The file is then run
-again (ONNX in onnxruntime) on a random batch of the traced shape and on one of another batch size and, where it is
-dynamic, another resolution, and compared with the eager model;
-each maximum absolute difference is printed, and one worse than ``--tolerance`` is an error (exit code 2), the file
-left beside for inspection. Under tracing and export SSoG takes no in-place or preallocated-buffer shortcut
-(``ssogvit.ops.functional_only``), so what is exported computes what the eager model computes.
+without dynamic dimensions (an ONNX file or exported program then refuses any other shape).
+
+The file is written under a temporary name beside ``--out`` and run again (ONNX in onnxruntime) on a random batch of
+the traced shape and on one of another batch size and, where it is dynamic, another resolution, and compared with the
+eager model; each maximum absolute difference is printed. Only a file whose parity is within ``--tolerance`` at every
+shape is renamed to ``--out`` (atomically: a kill leaves the old file or nothing there); a worse one is an error (exit
+code 2) and nothing is written. An existing ``--out`` is replaced only with ``--overwrite``. ONNX files hold their
+weights (no ``.onnx.data`` beside them), so each export is one file. Under tracing and export SSoG takes no in-place
+or preallocated-buffer shortcut (``ssogvit.ops.functional_only``), so what is exported computes what the eager model
+computes.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from torch import Tensor, nn
 
 from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_errors
 from ssogvit.extras import require_extra
-from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, Float, input_file
-from ssogvit.outputs import OutputError, atomic_write, check_output_file
+from ssogvit.inputs import IMG_SIZE, Float, Int, check_memory, input_file
+from ssogvit.outputs import OVERWRITE_FLAG, OutputError, atomic_write, check_output_file
 
 __all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "second_shape", "main"]
 
@@ -42,6 +46,7 @@ DYNAMIC: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("torchscript", None): ("batch",),
 }
 TOLERANCE = 1e-4
+BATCH = Int(1, 4096)  # images in the traced example
 
 
 def dynamic_dims(format: str, dynamo: bool = True) -> tuple[str, ...]:
@@ -115,12 +120,12 @@ def export_model(
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about constants: the sizes they fix are the ones above
         if format == "onnx" and dynamo:
-            torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"],
-                              output_names=["logits"], dynamic_shapes=({**batch, **size},), verbose=False)
+            torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
+                              output_names=["logits"], dynamic_shapes=({**batch, **size},), external_data=False)
         elif format == "onnx":
             axes = {"images": {0: "batch"}, "logits": {0: "batch"}} if batch else None
-            torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["images"],
-                              output_names=["logits"], dynamic_axes=axes, verbose=False)
+            torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
+                              output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
             torch.jit.save(torch.jit.trace(_FixedSize(model, (h, w)), (example,), check_trace=False), str(path))
         else:
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt or an exported .safetensors (config beside)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", help="file to write (default: beside the checkpoint, with the format's suffix)")
-    parser.add_argument("--batch", type=BATCH_SIZE.argparse, default=2, help="batch of the traced example (default 2)")
+    parser.add_argument("--batch", type=BATCH.argparse, default=2, help="batch of the traced example (default 2)")
     parser.add_argument("--img-size", type=IMG_SIZE.argparse, nargs=2, metavar=("H", "W"), default=None,
                         help="image size of the traced example (default: the model's img_size)")
     parser.add_argument("--static", action="store_true",
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onnx-exporter", choices=("dynamo", "torchscript"), default="dynamo")
     parser.add_argument("--tolerance", type=Float(0).argparse, default=TOLERANCE,
                         help="largest accepted max abs difference")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument(OVERWRITE_FLAG, action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
     return report_errors("ssogvit export", lambda: _export(args))
 
@@ -205,12 +210,9 @@ def _export(args: argparse.Namespace) -> int:
     if "batch" in dims and args.batch < 2:
         raise UsageError("a dynamic batch is traced at --batch 2 or more (an exporter fixes a dimension traced at "
                          "size 1); pass --static for a file of batch 1 only")
-    from ssogvit.train.io import CheckpointError, load_model
+    from ssogvit.train.io import load_model
 
-    try:
-        model = load_model(ckpt).float().eval()
-    except (CheckpointError, FileNotFoundError, OSError) as err:
-        raise UsageError(f"cannot load {ckpt}: {err}") from None
+    model = load_model(ckpt).float().eval()
     h, w = args.img_size or model.img_size
     patch = _patch_size(model)
     if h % patch or w % patch:
@@ -219,28 +221,39 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(f"a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
                          f"{h}x{w}; pass --img-size or --static")
     shape = (args.batch, model.in_chans, h, w)
+    checks = [s for s in (shape, second_shape(shape, dims, patch)) if s is not None]
+    for b, _, sh, sw in checks:
+        check_memory(model.forward_bytes(b, (sh, sw)), f"a forward of {b} images of {sh}x{sw} px", "--batch")
+    if args.format == "onnx" and 4 * sum(p.numel() for p in model.parameters()) >= 2**31:
+        raise UsageError("the model's weights exceed 2 GB, more than one ONNX file holds; export it as "
+                         "--format exported-program or torchscript")
     example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    try:
-        atomic_write(out, lambda tmp: export_model(model, example, tmp, format=args.format, dynamo=dynamo,
-                                                   dynamic=not args.static), overwrite=args.overwrite)
-    except Exception as err:  # the exporter's own refusal; the model is fine in eager
-        if debug_enabled() or isinstance(err, OutputError):
-            raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug shows "
-                         "the traceback") from None
-    print(f"wrote {out} ({args.format}): it takes {_describe(dims, shape, args.format, dynamo)}")
-    diffs = []
-    for i, check in enumerate(s for s in (shape, second_shape(shape, dims, patch)) if s is not None):
-        x = torch.randn(check, generator=torch.Generator().manual_seed(1 + i))
+    measured: list[float] = []
+
+    def write_checked(tmp: Path) -> None:
         try:
-            diffs.append(parity(model, out, x, format=args.format))
-        except Exception as err:  # the file refused an input it claims to take
+            export_model(model, example, tmp, format=args.format, dynamo=dynamo, dynamic=not args.static)
+        except Exception as err:  # the exporter's own refusal; the model is fine in eager
+            if debug_enabled() or isinstance(err, OutputError):
+                raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UsageError(f"{out} failed on a batch of shape {check}: {first}") from None
-        print(f"parity on a random batch {check}: max abs difference {diffs[-1]:.3e} (tolerance {args.tolerance:.0e})")
-    worst = next((d for d in diffs if not d <= args.tolerance), None)
-    if worst is not None:
-        raise UsageError(f"parity {worst:.3e} is worse than the tolerance {args.tolerance:.0e}; {out} does not "
-                         "compute what the model computes")
+            raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug "
+                             "shows the traceback") from None
+        print(f"exported {args.format}: it takes {_describe(dims, shape, args.format, dynamo)}")
+        for i, check in enumerate(checks):
+            x = torch.randn(check, generator=torch.Generator().manual_seed(1 + i))
+            try:
+                measured.append(parity(model, tmp, x, format=args.format))
+            except Exception as err:  # the file refused an input it claims to take
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise UsageError(f"the exported file failed on a batch of shape {check} ({first}), so {out} was not "
+                                 "written") from None
+            print(f"parity on a random batch {check}: max abs difference {measured[-1]:.3e} (tolerance "
+                  f"{args.tolerance:.0e})")
+            if not measured[-1] <= args.tolerance:
+                raise UsageError(f"parity {measured[-1]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
+                                 f"exported file does not compute what the model computes, so {out} was not written")
+
+    atomic_write(out, write_checked, overwrite=args.overwrite)
+    print(f"wrote {out} ({args.format})")
     return 0

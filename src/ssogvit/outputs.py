@@ -34,6 +34,7 @@ import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, overw
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path} exists; pass {OVERWRITE_FLAG} to replace it", argument=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob_escape(path.name)}.{TEMP_TAG}-*"):  # a killed earlier write of this file
+        if is_temp_name(stale.name) and not _writer_alive(stale.name) and stale.is_file():
+            stale.unlink(missing_ok=True)
     tmp = temp_path(path)
     try:
         write(tmp)
@@ -456,6 +460,15 @@ class RunFolder:
             return explicit
         last = folder / "checkpoints" / "last.ckpt"
         return str(last) if last.is_file() else None
+
+    @contextlib.contextmanager
+    def claim(self, resume: Any, config: Mapping[str, Any]) -> Iterator[str | None]:
+        """`with folder.claim(resume, config) as ckpt:` the launch's decision (`decide_resume`) taken before the
+        lock, so that a refused launch writes nothing (not even the lock file), and again holding it, in case
+        another launch came between."""
+        self.decide_resume(resume, config)
+        with self.lock():
+            yield self.decide_resume(resume, config)
 
     def begin(self, write_config: Callable[[Path], Any], **facts: Any) -> None:
         """Start (or resume) the run, holding the lock: remove the temporary files killed writes left, write

@@ -1,4 +1,9 @@
-"""Writing results: JSON files, Markdown tables and figures, for the analyses and the conversion report."""
+"""Writing results: JSON files, Markdown tables and figures, for the analyses and the conversion report.
+
+Each file goes through the one writer (`ssogvit.outputs.atomic_write`: a kill leaves the old file or nothing). These
+helpers replace a file that exists: the command calling them has checked its outputs first (`--overwrite`,
+`ssogvit.outputs.check_output_file`, `staged_outputs`).
+"""
 
 from __future__ import annotations
 
@@ -10,15 +15,15 @@ from typing import Any
 
 import torch
 
+from ssogvit.outputs import atomic_write
+
 __all__ = ["fmt", "markdown_table", "pyplot", "save_figure", "write_json", "write_markdown"]
 
 
 def write_json(path: str | Path, data: Any) -> Path:
     """``data`` as indented JSON (tensors as lists, paths as strings); creates the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    return path
+    text = json.dumps(data, indent=2, default=_jsonable) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text), overwrite=True)
 
 
 def _jsonable(v: Any) -> Any:
@@ -31,10 +36,7 @@ def _jsonable(v: Any) -> Any:
 
 def write_markdown(path: str | Path, text: str) -> Path:
     """``text`` to ``path``; creates the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    return atomic_write(path, lambda tmp: tmp.write_text(text), overwrite=True)
 
 
 def fmt(v: Any, digits: int = 3) -> str:
@@ -67,9 +69,11 @@ def pyplot():
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
-    """Save ``fig`` as ``path`` (110 dpi), creating the folder, and close it."""
+    """Save ``fig`` as ``path`` (110 dpi, the format of its suffix), creating the folder, and close it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or None),
+                     overwrite=True)
+    finally:
+        pyplot().close(fig)
     return path

@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import timm
 import torch
@@ -28,6 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from torch import Tensor, nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ssogvit.inputs import Choice, Flag, checked
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention, is_ssog
 
@@ -203,7 +204,9 @@ def unique_blocks(model: nn.Module) -> list[nn.Module]:
     return list({id(b): b for b in blocks}.values())
 
 
-def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True, **options: Any) -> nn.Module:
+@checked
+def ssogify(model: nn.Module, *, mixer: Annotated[str, Choice(("ssog", "ssog-steered"))] = "ssog",
+            copy_weights: Annotated[bool, Flag()] = True, **options: Any) -> nn.Module:
     """Replace the attention of every block of a timm ``VisionTransformer`` by SSoG, in place.
 
     Only what SSoG can carry faithfully is accepted: timm's plain ``Attention`` (or ssogvit's MHA) with fused ``qkv``
@@ -223,8 +226,6 @@ def ssogify(model: nn.Module, *, mixer: str = "ssog", copy_weights: bool = True,
     Returns:
         The same model, for chaining.
     """
-    if mixer not in ("ssog", "ssog-steered"):
-        raise ValueError(f"unknown mixer {mixer!r} for ssogify; expected 'ssog' or 'ssog-steered'")
     if mixer == "ssog-steered":
         options.setdefault("steer", STEER_PATHS)
     elif options.get("steer"):

@@ -16,13 +16,15 @@ def data_config(dataset: str = "digits", ckpt: str | Path | None = None) -> dict
     one, else the packaged `conf/data/<dataset>.yaml`."""
     from omegaconf import OmegaConf
 
+    from ssogvit.inputs import read_document
+
     if ckpt is not None:
         for parent in list(Path(ckpt).resolve().parents)[:3]:
             cfg_path = parent / "config.yaml"
-            if cfg_path.is_file():
-                cfg = OmegaConf.load(cfg_path)
-                if "data" in cfg:
-                    return OmegaConf.to_container(cfg.data, resolve=True)
+            if cfg_path.is_file():  # a run folder may come from anyone: bounded, never interpolated
+                cfg = read_document(cfg_path, "the run's config.yaml")
+                if isinstance(cfg, dict) and isinstance(cfg.get("data"), dict):
+                    return dict(cfg["data"])
     path = _CONF / "data" / f"{dataset}.yaml"
     if not path.is_file():
         raise ValueError(f"no data config for {dataset!r} (looked for {path})")

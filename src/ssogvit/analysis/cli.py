@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssogvit.errors import ArgumentParser, UsageError
+from ssogvit.errors import ArgumentParser, UsageError, report_errors
+from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, SEED, Float, InputError, Int, Ints, Spec, check_memory
 from ssogvit.layers import is_ssog
+from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs
 from ssogvit.results import fmt, markdown_table, write_json, write_markdown
 from ssogvit.train.config import split_override
 
@@ -46,27 +48,51 @@ def build_parser() -> argparse.ArgumentParser:
                    "channels and image size, and patch_size = img_size // 8 below 128 px")
     p.add_argument("--label", action="append", default=[], help="names for the models, in order (--ckpt first)")
     p.add_argument("--data", default="digits", help="dataset of the evaluation images when a run has no config")
-    p.add_argument("--num-images", type=int, default=64, help="validation images for sinks and steering")
-    p.add_argument("--transfer-images", type=int, default=None, help="validation images for transfer (all)")
-    p.add_argument("--image-index", type=int, default=0, help="validation image whose query field is drawn")
-    p.add_argument("--query", default=None, help="query cell 'y,x' of the field drawing (grid centre by default)")
-    p.add_argument("--radii", default=None, help="ball radii for steered mixers, in units of sqrt(D): '0.5,1,2,4'")
-    p.add_argument("--iters", type=int, default=30, help="power-iteration steps (at most 15 for steered mixers)")
-    p.add_argument("--samples", type=int, default=2, help="inputs per radius for steered mixers")
-    p.add_argument("--max-steered", type=int, default=3, help="steered mixers measured (first, middle, last)")
-    p.add_argument("--patch-sizes", default=None, help="patch sizes for transfer, e.g. '16,14,8'")
-    p.add_argument("--img-sizes", default=None, help="image sizes for transfer (default: 0.75x and 1.5x)")
+    p.add_argument("--num-images", type=Int(1, 100_000).argparse, default=64,
+                   help="validation images for sinks and steering")
+    p.add_argument("--transfer-images", type=Int(1, 100_000).argparse, default=None,
+                   help="validation images for transfer (all)")
+    p.add_argument("--image-index", type=Int(0).argparse, default=0, help="validation image whose query field is drawn")
+    p.add_argument("--query", type=Ints(Int(0), min_len=2).argparse, default=None,
+                   help="query cell 'y,x' of the field drawing (grid centre by default)")
+    p.add_argument("--radii", type=RADII.argparse, default=None,
+                   help="ball radii for steered mixers, in units of sqrt(D): '0.5,1,2,4'")
+    p.add_argument("--iters", type=Int(1, 10_000).argparse, default=30,
+                   help="power-iteration steps (at most 15 for steered mixers)")
+    p.add_argument("--samples", type=Int(1, 1000).argparse, default=2, help="inputs per radius for steered mixers")
+    p.add_argument("--max-steered", type=Int(1, 1000).argparse, default=3,
+                   help="steered mixers measured (first, middle, last)")
+    p.add_argument("--patch-sizes", type=Ints(PATCH_SIZE).argparse, default=None,
+                   help="patch sizes for transfer, e.g. '16,14,8'")
+    p.add_argument("--img-sizes", type=Ints(IMG_SIZE).argparse, default=None,
+                   help="image sizes for transfer (default: 0.75x and 1.5x)")
     p.add_argument("--out", default="runs/analysis", help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(OVERWRITE_FLAG, action="store_true", help="replace files already in --out")
+    p.add_argument("--seed", type=SEED.argparse, default=0)
     return p
 
 
-def _ints(text: str | None) -> list[int] | None:
-    return None if text is None else [int(v) for v in text.split(",") if v.strip()]
+class _Radii(Spec):
+    """Comma-separated positive radii (`0.5,1,2,4`), as a list of floats."""
+
+    def expected(self) -> str:
+        return "a comma-separated list of positive numbers, e.g. 0.5,1,2,4"
+
+    def _check(self, value, name):
+        radius = Float(0, low_open=True)
+        if not isinstance(value, list) or not value:
+            raise InputError(f"{name}={value!r}: expected {self.expected()}", argument=name, expected=self.expected())
+        try:
+            return [radius.check(v, name) for v in value]
+        except InputError:
+            raise InputError(f"{name}={value!r}: expected {self.expected()}", argument=name,
+                             expected=self.expected()) from None
+
+    def _parse(self, text, name):
+        return [Float()._parse(v.strip(), name) for v in text.split(",") if v.strip()]
 
 
-def _floats(text: str | None) -> list[float] | None:
-    return None if text is None else [float(v) for v in text.split(",") if v.strip()]
+RADII = _Radii()
 
 
 def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[str, Any]]:
@@ -74,7 +100,7 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
     import yaml
 
     if not args.ckpt and not args.model:
-        raise SystemExit("ssogvit analyze: give at least one --ckpt PATH or --model NAME (e.g. vit-tiny-ssog)")
+        raise UsageError("give at least one --ckpt PATH or --model NAME (e.g. vit-tiny-ssog)")
     cfg = _data.data_config(args.data, args.ckpt[0] if args.ckpt else None)
     models: list[tuple[str, nn.Module]] = []
     if args.ckpt:
@@ -100,7 +126,10 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
             kwargs[key.strip()] = yaml.safe_load(value)
         for name in args.model:
             torch.manual_seed(args.seed)
-            models.append((name, create_model(name, **kwargs).eval()))
+            try:
+                models.append((name, create_model(name, **kwargs).eval()))
+            except (ValueError, TypeError) as err:  # an unknown name or option, a value out of range
+                raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from None
     labels = list(args.label) + [label for label, _ in models][len(args.label):]
     out: dict[str, nn.Module] = {}
     for label, (_, model) in zip(labels, models):
@@ -131,7 +160,7 @@ def run_lipschitz(models, cfg, args, out: Path) -> dict:
     for label, m in models.items():
         radii = None
         if args.radii is not None:
-            radii = [f * math.sqrt(m.embed_dim) for f in _floats(args.radii)]
+            radii = [f * math.sqrt(m.embed_dim) for f in args.radii]
         reports[label] = lipschitz_report(m, radii=radii, iters=args.iters, seed=args.seed, samples=args.samples,
                                           max_steered=args.max_steered)
     fixed = [(label, r["layer"], r["bound"], r["estimate"], r["ratio"])
@@ -213,10 +242,13 @@ def run_transfer(models, cfg, args, out: Path) -> dict:
     tables = {}
     for label, m in models.items():
         s0 = int(m.img_size[0])
-        sizes = _ints(args.img_sizes)
+        sizes = args.img_sizes
         if sizes is None:
             sizes = [int(round(0.75 * s0)), int(round(1.5 * s0))]
-        tables[label] = transfer_table(m, images_at, patch_sizes=_ints(args.patch_sizes), img_sizes=sizes)
+        for size in sizes:
+            check_memory(m.forward_bytes(1, size) + 4 * m.in_chans * size**2 * (args.transfer_images or 1),
+                         f"the transfer images of {size} px", "--img-sizes")
+        tables[label] = transfer_table(m, images_at, patch_sizes=args.patch_sizes, img_sizes=sizes)
     rows = [(label, r["kind"], r["patch"], r["img_size"], f"{r['grid'][0]}x{r['grid'][1]}",
              "yes" if r["rescale"] else "no", r["top1"]) for label, t in tables.items() for r in t]
     md = ("## Transfer without retraining (paper Table 13)\n\n"
@@ -236,7 +268,11 @@ def run_fields(models, cfg, args, out: Path) -> dict:
         pngs.append(plot_fields(m, out / name, title=f"{label}: SSoG atoms, offsets from the query cell (grey) in grid "
                                 "cells\ncentre +, 1σ filled (opacity by λ), 2σ dashed"))
     images, labels = _data.validation_set(cfg, limit=args.image_index + 1)
-    query = tuple(_ints(args.query)) if args.query else None
+    if args.image_index >= len(images):
+        raise UsageError(f"--image-index {args.image_index}: the validation set has {len(images)} images")
+    if args.query is not None and len(args.query) != 2:
+        raise UsageError(f"--query {','.join(map(str, args.query))}: expected one cell 'y,x'")
+    query = tuple(args.query) if args.query else None
     path, summary = plot_query_fields(models, images[args.image_index], out / "fields_query.png", query=query)
     pngs.append(path)
     rows = [(label, a, local, peak) for label, s in summary.items()
@@ -249,7 +285,7 @@ def run_fields(models, cfg, args, out: Path) -> dict:
     for label, s in summary.items():
         print(f"fields  {label}: query {tuple(s['query'])}, 3x3 mass " +
               ", ".join(f"{v:.2f}" for v in s["local_3x3"]) + f" (applications {s['applications']})")
-    print("fields  wrote " + ", ".join(str(p) for p in pngs))
+    print(f"fields  drew {len(pngs)} picture(s)")
     return {"query": summary, "files": files}
 
 
@@ -276,22 +312,35 @@ def analyze(what: str, argv: list[str] | None = None, **overrides) -> dict:
     return _run(args)
 
 
+def _published(files: Any, stage: Path, out: Path) -> Any:
+    """`files` (paths under `stage`, in a dict / list / str) as the paths they have under `out` once published."""
+    if isinstance(files, dict):
+        return {k: _published(v, stage, out) for k, v in files.items()}
+    if isinstance(files, list):
+        return [_published(v, stage, out) for v in files]
+    return str(files).replace(str(stage), str(out)) if isinstance(files, (str, Path)) else files
+
+
 def _run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
-    models, cfg = load_models(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     todo = ANALYSES if args.what == "all" else (args.what,)
+    out = check_output_folder(args.out, "--out")
+    existing = [str(out / f"{w}.{ext}") for w in todo for ext in ("json", "md") if (out / f"{w}.{ext}").exists()]
+    if existing and not args.overwrite:  # before any work; the rest (pictures) is checked when they are written
+        raise OutputExistsError(f"--out: {', '.join(existing[:3])} already exist(s); pass {OVERWRITE_FLAG} to "
+                                "replace, or choose another folder", argument="--out")
+    models, cfg = load_models(args)
     results = {}
+    with staged_outputs(out, "--out", overwrite=args.overwrite) as stage:
+        for what in todo:
+            results[what] = RUNNERS[what](models, cfg, args, stage)
     for what in todo:
-        results[what] = RUNNERS[what](models, cfg, args, out)
-    for what in todo:
-        files = results[what]["files"]
-        print(f"{what}: " + json.dumps(files))
+        results[what]["files"] = _published(results[what]["files"], stage, out)
+        print(f"{what}: " + json.dumps(results[what]["files"]))
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ssogvit analyze`."""
-    _run(build_parser().parse_args(argv))
-    return 0
+    args = build_parser().parse_args(argv)
+    return report_errors("ssogvit analyze", lambda: _run(args) and 0)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["convert_main"]
+__all__ = ["convert_main", "UNUSED_KEYS"]
+
+#: groups of the base run config a conversion does not read (an override of them would be silently ignored)
+UNUSED_KEYS = ("model", "experiment", "transfer", "ema", "mixup")
 
 
 def convert_main(argv: list[str]) -> int:
@@ -48,10 +51,18 @@ def convert_main(argv: list[str]) -> int:
     overrides += [f"output_dir={args.out}"] if args.out else []
 
     def task(cfg) -> int:
+        from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
+
+        from ssogvit.train.config import split_override
 
         from .run import convert
 
+        unused = [o for o in HydraConfig.get().overrides.task if split_override(o)[0].split(".")[0] in UNUSED_KEYS]
+        if unused:  # accepted by the base config, but a conversion never reads them
+            raise UsageError(f"{unused[0]} has no effect on a conversion: the student is built from the teacher "
+                             "(its mixer: convert.mixer, convert.mixer_options) and distilled with optim, sched and "
+                             "loss.smoothing; leave out " + ", ".join(sorted(set(UNUSED_KEYS))) + " overrides")
         if timm_kwargs is not None:
             OmegaConf.update(cfg, "convert.timm_kwargs", timm_kwargs, merge=False)
         try:

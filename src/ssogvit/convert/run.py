@@ -1,12 +1,18 @@
 """One conversion run from a composed config (``conf/convert.yaml``): teacher, student, field fit, distillation, export.
 
-Layout of ``<output_dir>`` (that of a training run, docs/training.md, plus ``fit/``):
+Layout of ``<output_dir>`` (that of a training run, docs/training.md, plus ``fit/``), a folder that belongs to one
+conversion (``ssogvit.outputs.RunFolder``: locked while it runs, ``run.json`` says ``convert`` and its status, a
+relaunch resumes the unfinished conversion of the same config and refuses anything else):
 
     config.yaml                 the composed, resolved config
+    run.json                    "running" or "finished", command "convert"
     fit/report.md, report.json  how well each teacher head's attention is explained by the fitted Gaussians
     fit/fields.png              teacher attention beside the fitted field, best- and worst-explained heads
     checkpoints/, logs/, tb/    as for `ssogvit train` (resume from checkpoints/last.ckpt)
     export/model.safetensors    the converted model (config in model.json; reload with `load_converted`)
+
+A conversion killed before its first epoch ended (during the field fit, say) fits again when relaunched; one killed
+later resumes from ``checkpoints/last.ckpt``.
 """
 
 from __future__ import annotations
@@ -18,31 +24,31 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ssogvit.results import write_json
+from ssogvit.inputs import Choice, Flag, Float, Int, input_folder
+from ssogvit.outputs import RunFolder, atomic_write, check_output_folder, write_json, write_text
 
 from .distill import RECIPES, ConversionModule
 from .fit import fit_fields, format_report, plot_fit
 from .student import build_student, load_teacher, teacher_grid
 
-__all__ = ["IMAGE_SUFFIXES", "calibration_images", "convert", "output_folder"]
+__all__ = ["CONVERT_RULES", "IMAGE_SUFFIXES", "calibration_images", "convert", "output_folder"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
-def output_folder(cfg: DictConfig) -> tuple[Path, str | None]:
-    """The run's output folder, created, and the checkpoint to resume from (``resume: auto`` finds ``last.ckpt``).
+def output_folder(cfg: DictConfig) -> RunFolder:
+    """The run's output folder (``output_dir``) as the conversion's ``RunFolder`` (nothing is written yet)."""
+    return RunFolder(Path(str(cfg.output_dir)).expanduser(), command="convert", elsewhere="--out <new folder>")
 
-    A folder that already holds files but no checkpoint to resume is refused: nothing written is overwritten.
-    """
-    from ssogvit.train.run import resolve_resume
 
-    out = Path(str(cfg.output_dir)).expanduser()
-    resume = resolve_resume(cfg, out / "checkpoints")
-    if resume is None and out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"output folder {out} already holds files and no checkpoint to resume from; choose another "
-                         "output_dir (--out) or remove it")
-    out.mkdir(parents=True, exist_ok=True)
-    return out, resume
+#: the conversion's own settings (``convert:`` in conf/convert.yaml), checked with the run config's before any work
+CONVERT_RULES = {
+    "convert.use_ema": Flag(), "convert.mixer": Choice(("ssog", "ssog-steered")), "convert.calib_images": Int(1, 100_000),
+    "convert.fit_steps": Int(0, 1_000_000), "convert.fit_lr": Float(0, low_open=True),
+    "convert.recipe": Choice(tuple(RECIPES)), "convert.temperature": Float(0, low_open=True),
+    "convert.kd_weight": Float(0), "convert.feature_weight": Float(0), "convert.field_lr_scale": Float(0, low_open=True),
+    "convert.steps_per_block": Int(1, 1_000_000),
+}
 
 
 def calibration_images(folder: str | Path | None, dm: Any, count: int) -> torch.Tensor:
@@ -58,9 +64,7 @@ def calibration_images(folder: str | Path | None, dm: Any, count: int) -> torch.
         return torch.cat(batches)[:count]
     from PIL import Image
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"calibration folder {folder} does not exist or is not a folder")
+    folder = input_folder(folder, "--calib")
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)[:count]
     if not files:
         raise ValueError(f"calibration folder {folder} holds no images (files ending in {', '.join(IMAGE_SUFFIXES)})")
@@ -85,18 +89,24 @@ def _check_data(teacher: torch.nn.Module, dm: Any) -> None:
 
 
 def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
-    """Run (or resume) the conversion described by ``cfg``; returns its summary (metrics, fit, paths)."""
+    """Run (or resume) the conversion described by ``cfg``; returns its summary (metrics, fit, paths).
+
+    Everything is checked before the folder is touched (the config's values, the teacher, the data); then the folder
+    is claimed (``RunFolder``): a fresh one, or the unfinished conversion of this config, resumed.
+    """
     import lightning.pytorch as pl
 
+    from ssogvit.train.config import check_run_config
     from ssogvit.train.io import export_safetensors
-    from ssogvit.train.run import build_datamodule, build_trainer
+    from ssogvit.train.run import build_datamodule, build_trainer, fit
 
     start = time.perf_counter()
+    check_run_config(cfg)
     c = OmegaConf.to_container(cfg.convert, resolve=True)
     if not c.get("teacher"):
         raise ValueError("no teacher: pass --teacher PATH (convert.teacher)")
-    if c["recipe"] not in RECIPES:
-        raise ValueError(f"unknown conversion recipe {c['recipe']!r}; expected one of {RECIPES}")
+    for key, spec in CONVERT_RULES.items():
+        spec.check(c[key.split(".", 1)[1]], key)
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     teacher = load_teacher(c["teacher"], timm_model=c["timm_model"], timm_kwargs=c["timm_kwargs"],
                            use_ema=bool(c["use_ema"]))
@@ -104,17 +114,28 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     dm = build_datamodule(cfg)
     dm.prepare_data()
     _check_data(teacher, dm)
-    out, resume = output_folder(cfg)
+    if c["calib"] is not None:
+        input_folder(c["calib"], "--calib")
+    folder = output_folder(cfg)
+    check_output_folder(folder.path, "--out")
+    with folder.claim(cfg.get("resume"), OmegaConf.to_container(cfg, resolve=True)) as resume:
+        folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
+        summary = _convert(cfg, c, folder.path, teacher, student, dm, resume, start, verbose,
+                           build_trainer=build_trainer, fit=fit, export=export_safetensors)
+        folder.write_state("finished", steps=summary["steps"], export=summary["export"])
+    return summary
 
+
+def _convert(cfg: DictConfig, c: dict[str, Any], out: Path, teacher, student, dm, resume: str | None, start: float,
+             verbose: bool, *, build_trainer, fit, export) -> dict[str, Any]:
     fit_summary = None
     if resume is None:  # a resumed run takes its fields from the checkpoint
         images = calibration_images(c["calib"], dm, int(c["calib_images"]))
-        fit = fit_fields(teacher, student, images, steps=int(c["fit_steps"]), lr=float(c["fit_lr"]))
-        (out / "fit").mkdir(exist_ok=True)
-        (out / "fit" / "report.md").write_text(format_report(fit))
-        write_json(out / "fit" / "report.json", {"grid": fit.grid, "heads": fit.rows})
-        plot_fit(fit, out / "fit" / "fields.png")
-        fit_summary = {k: sum(r[k] for r in fit.rows) / len(fit.rows) for k in ("kl", "kl_uniform", "explained")}
+        result = fit_fields(teacher, student, images, steps=int(c["fit_steps"]), lr=float(c["fit_lr"]))
+        write_text(out / "fit" / "report.md", format_report(result), overwrite=True)  # this run's own files
+        write_json(out / "fit" / "report.json", {"grid": result.grid, "heads": result.rows}, overwrite=True)
+        atomic_write(out / "fit" / "fields.png", lambda tmp: plot_fit(result, tmp), overwrite=True)
+        fit_summary = {k: sum(r[k] for r in result.rows) / len(result.rows) for k in ("kl", "kl_uniform", "explained")}
 
     model_config = dict(getattr(student, "config", None) or student.config_timm)
     recipe = OmegaConf.to_container(cfg, resolve=True)
@@ -125,11 +146,9 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     module = ConversionModule(student, teacher, recipe=recipe, distill=distill,
                               hparams={"model_config": model_config, "convert": c})
     trainer = build_trainer(cfg, out)
-    if trainer.is_global_zero:
-        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-        if verbose and resume:
-            print(f"resuming from {resume} (fields, weights and optimizer state from the checkpoint)")
-    trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
+    if verbose and resume and trainer.is_global_zero:
+        print(f"resuming from {resume} (fields, weights and optimizer state from the checkpoint)")
+    fit(trainer, module, dm, resume, out)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
     summary: dict[str, Any] = {"name": str(cfg.name), "model": model_config.get("name", model_config.get("timm_model")),
@@ -140,7 +159,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
         if not hasattr(student, "config"):
             student.config = model_config  # a timm student: its rebuild recipe (load_converted reads it)
         extra = {"metrics": metrics, "data": OmegaConf.to_container(cfg.data, resolve=True), "convert": c}
-        summary["export"] = str(export_safetensors(student, out / "export" / "model.safetensors", extra=extra))
+        summary["export"] = str(export(student, out / "export" / "model.safetensors", extra=extra))
     if verbose and trainer.is_global_zero:
         top1 = metrics.get("val/top1")
         print(f"\n== conversion {summary['name']} ({summary['model']}, recipe {c['recipe']}) ==\n"

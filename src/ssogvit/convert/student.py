@@ -40,10 +40,13 @@ _TIMM_KEY = "timm_model"
 
 
 def _read_state(path: Path) -> dict[str, Tensor]:
+    from ssogvit.inputs import InputError, input_file
     from ssogvit.train.io import CheckpointError
 
-    if not path.is_file():
-        raise CheckpointError(f"teacher weights {path} do not exist")
+    try:
+        input_file(path, "--teacher", what="file of weights")
+    except InputError as err:
+        raise CheckpointError(str(err)) from None
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -79,10 +82,21 @@ def load_teacher(path: str | Path, *, timm_model: str | None = None, timm_kwargs
         return load_model(path, use_ema=use_ema)
     import timm
 
+    from ssogvit.inputs import InputError
+
+    from ssogvit.inputs import check_memory
+
     try:
+        with torch.device("meta"):  # its size first: shapes only, no memory
+            n = sum(p.numel() for p in timm.create_model(timm_model, pretrained=False, **dict(timm_kwargs or {}))
+                    .parameters())
+        check_memory(4 * n, f"timm model {timm_model} ({n:,} parameters)", "--timm-model")
         model = timm.create_model(timm_model, pretrained=False, **dict(timm_kwargs or {}))
-    except RuntimeError as err:  # timm: unknown model name
-        raise ValueError(f"cannot build timm model {timm_model!r}: {err}") from err
+    except (RuntimeError, TypeError, ValueError) as err:  # timm: an unknown name, an option the model lacks
+        if isinstance(err, InputError):
+            raise
+        raise ValueError(f"cannot build timm model {timm_model!r} with {dict(timm_kwargs or {})}: "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     state = _read_state(path)
     try:
         model.load_state_dict(state, strict=True)

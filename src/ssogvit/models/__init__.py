@@ -4,7 +4,16 @@ from ._common import GLOBAL_POOLS, SIZES, Block, BlockStack, CenterNorm, VisionT
 from .looped import Loop, LoopedViT
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
-from .registry import FAMILIES, create_model, from_pretrained, list_models, model_options, parse_model_name, timm_name
+from .registry import (
+    FAMILIES,
+    check_model_config,
+    create_model,
+    from_pretrained,
+    list_models,
+    model_options,
+    parse_model_name,
+    timm_name,
+)
 from .transfer import resize_patch_embed, resize_pos_embed
 from .vit import VisionTransformer
 
@@ -24,6 +33,7 @@ __all__ = [
     "ODEViT",
     "VisionTransformer",
     "VisionTransformerBase",
+    "check_model_config",
     "create_model",
     "from_pretrained",
     "list_models",

@@ -37,6 +37,7 @@ from ssogvit.inputs import (
     checked,
 )
 from ssogvit.layers import create_mixer, is_ssog
+from ssogvit.outputs import staged_outputs
 
 from . import transfer
 
@@ -329,6 +330,15 @@ class VisionTransformerBase(TimmVisionTransformer):
         check_memory(nbytes, f"a model of at least {n:,.0f} parameters",
                      f"embed_dim={embed_dim}, depth={depth}, img_size={img_size}, patch_size={patch_size}")
 
+    def forward_bytes(self, batch: int, img_size: int | tuple[int, int]) -> int:
+        """A lower bound on the bytes one inference forward of ``batch`` images of ``img_size`` needs: the images
+        (float32) and, alive at once inside a block, the tokens, their normalised copy and the MLP's hidden units."""
+        h, w = _image_size(img_size)
+        tokens = (h // self.patch_size) * (w // self.patch_size) + self.num_prefix_tokens
+        itemsize = next(self.parameters()).element_size()
+        per_token = self.embed_dim * (2 + float(self.config.get("mlp_ratio", 4.0))) * itemsize
+        return int(batch * (self.in_chans * h * w * 4 + tokens * per_token))
+
     # -- what a family supplies ------------------------------------------------------------------------------------
 
     def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:
@@ -429,7 +439,8 @@ class VisionTransformerBase(TimmVisionTransformer):
         if existing and not overwrite:
             raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
         model_args = {k: v for k, v in self.config.items() if k != "name"}
-        save_for_hf(self, str(folder), model_args=model_args, safe_serialization=True)
+        with staged_outputs(folder, "save_directory", overwrite=overwrite) as stage:  # both files, or neither
+            save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
         return folder
 
     # -- forward ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import json
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -22,6 +24,16 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from torch import nn
 
+import torch
+
+from ssogvit.inputs import (
+    MAX_PARAMETERS,
+    DocumentError,
+    InputError,
+    check_no_interpolation,
+    format_bytes,
+    read_document,
+)
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SIZES, VisionTransformerBase
@@ -30,8 +42,8 @@ from .ode import ODEViT
 from .vit import VisionTransformer
 
 __all__ = [
-    "FAMILIES", "SIZES", "create_model", "from_pretrained", "list_models", "model_options", "parse_model_name",
-    "timm_name",
+    "FAMILIES", "SIZES", "check_model_config", "create_model", "from_pretrained", "list_models", "model_options",
+    "parse_model_name", "timm_name",
 ]
 
 #: family name -> model class
@@ -109,6 +121,38 @@ def list_models(pattern: str = "*") -> list[str]:
     return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
+def check_model_config(config: Any, *, source: str | os.PathLike = "the model config") -> dict[str, Any]:
+    """`config` (`create_model(**config)`) if it names a model of ours that builds within the declared ranges and
+    `MAX_PARAMETERS`; `DocumentError` otherwise. Run on every model config read from a file, before building.
+
+    The values are checked by the model's and the mixer's own declarations, building on the meta device (shapes
+    only, no memory); so is the parameter count.
+    """
+    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
+        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}",
+                            argument=str(source))
+    config = dict(config)
+    check_no_interpolation(config, str(source))
+    if config["name"] not in list_models():
+        raise DocumentError(f"{source}: unknown model {config['name']!r} (see `ssogvit list models`)",
+                            argument=str(source))
+    built = dict(config)
+    if isinstance(built.get("steer"), list):
+        built["steer"] = tuple(built["steer"])
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in create_model(**built).parameters())
+    except InputError as err:
+        raise DocumentError(f"{source}: model_config {err}", argument=str(source)) from None
+    except (ValueError, TypeError, RuntimeError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise DocumentError(f"{source}: model_config does not build: {first}", argument=str(source)) from None
+    if n > MAX_PARAMETERS:
+        raise DocumentError(f"{source}: model_config asks for {n:,} parameters ({format_bytes(4 * n)} in fp32), "
+                            f"more than the limit of {MAX_PARAMETERS:,}", argument=str(source))
+    return config
+
+
 def timm_name(name: str) -> str:
     """timm registry name of a model: ``"vit-small-ssog"`` -> ``"ssogvit_vit_small_ssog"``."""
     parse_model_name(name)
@@ -119,12 +163,43 @@ def from_pretrained(save_directory: str | Path, **kwargs: Any) -> VisionTransfor
     """Load a model written by ``model.save_pretrained(save_directory)`` (Hugging Face hub layout, local folder).
 
     The same as ``timm.create_model(f"local-dir:{save_directory}", pretrained=True, **kwargs)``: ``config.json`` names
-    the architecture and its arguments, ``model.safetensors`` holds the weights.
+    the architecture and its arguments, ``model.safetensors`` holds the weights. The folder may come from anyone, so
+    before anything is built ``config.json`` is read as a bounded document and must name an ssogvit model within its
+    declared limits (``check_model_config``), and the weights file must not be larger than that
+    model's weights.
+
+    Raises:
+        FileNotFoundError: the folder lacks ``config.json`` or ``model.safetensors``.
+        ssogvit.inputs.DocumentError: ``config.json`` is not an ssogvit model's, or asks for too much.
     """
     folder = Path(save_directory)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise FileNotFoundError(f"{folder} is not a saved model folder: expected config.json and model.safetensors")
+    document = read_document(folder / "config.json", "config.json")
+    arch = document.get("architecture") if isinstance(document, dict) else None
+    names = {timm_name(n): n for n in list_models()}
+    if arch not in names:
+        raise DocumentError(f"{folder / 'config.json'}: architecture {arch!r} is not an ssogvit model "
+                            "(ssogvit_<family>_<size>_<mixer>); from_pretrained builds only those",
+                            argument="config.json")
+    _check_saved_folder(folder, names[arch])
     return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs)
+
+
+def _check_saved_folder(folder: Path, name: str) -> None:
+    """Refuse a saved folder whose ``model_args`` are not a model ``name`` within limits, or whose weights file is
+    larger than that model's weights could be (``DocumentError``)."""
+    document = read_document(folder / "config.json", "config.json")
+    args = document.get("model_args", {}) if isinstance(document, dict) else None
+    if not isinstance(args, dict):
+        raise DocumentError(f"{folder / 'config.json'}: model_args is not a mapping", argument="config.json")
+    config = check_model_config({**args, "name": name}, source=folder / "config.json")
+    with torch.device("meta"):
+        n = sum(p.numel() for p in create_model(**config).parameters())
+    weights = folder / "model.safetensors"
+    if weights.is_file() and weights.stat().st_size > 8 * n + (1 << 24):  # fp64 at most, and a 16 MB header
+        raise DocumentError(f"{weights}: {format_bytes(weights.stat().st_size)}, more than the weights of the model "
+                            f"its config.json describes ({n:,} parameters) could be", argument=str(weights))
 
 
 def _saved_config(file: str) -> dict[str, Any] | None:
@@ -150,6 +225,8 @@ def _timm_entrypoint(name: str):
                     f"{tname}: ssogvit has no pretrained weights to download; load your own with "
                     "pretrained_cfg_overlay=dict(file='.../model.safetensors')"
                 )
+            if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
+                _check_saved_folder(Path(cfg.file), name)
             saved = _saved_config(cfg.file) if cfg.file else None
             if saved is not None:  # an ssogvit export: the weights say how the model was built
                 if saved.get("name") != name:

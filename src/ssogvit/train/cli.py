@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from typing import Any
 
 import yaml
 
 from ssogvit.errors import ArgumentParser, report_errors
+from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, Int, check_device, check_memory, read_document
+from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
 
@@ -146,9 +147,9 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
 def eval_main(argv: list[str]) -> int:
     """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
     parser = _checkpoint_parser("eval")
-    parser.add_argument("--img-size", type=_positive_int, default=None,
+    parser.add_argument("--img-size", type=IMG_SIZE.argparse, default=None,
                         help="evaluate at this image size (dynamic resolution)")
-    parser.add_argument("--patch-size", type=_positive_int, default=None,
+    parser.add_argument("--patch-size", type=PATCH_SIZE.argparse, default=None,
                         help="convert the model to this patch size first")
     parser.add_argument("--rescale-field", action="store_true",
                         help="with --patch-size and/or --img-size: scale the SSoG centres and widths by the grid ratio "
@@ -156,17 +157,11 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of a checkpoint")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
+    parser.add_argument(OVERWRITE_FLAG, action="store_true", help="replace the --json file if it exists")
     parser.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                         help="auto: a bar on a terminal, plain lines otherwise (default)")
     args, overrides = parser.parse_known_args(argv)
     return report_errors("ssogvit eval", lambda: _eval(args, overrides))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -179,6 +174,9 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                           f"(data.root=... data.batch_size=...)")
     if args.rescale_field and not (args.img_size or args.patch_size):
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
+    check_device(args.device, "--device")
+    if args.json:  # before any work: an existing file (or the checkpoint itself) is never replaced unasked
+        check_output_file(args.json, "--json", overwrite=args.overwrite, inputs=[args.ckpt])
     model = load_model(args.ckpt, use_ema=args.ema)
     trained_grid = tuple(model.grid_size)  # (gh, gw) the model was trained on
     if args.patch_size:
@@ -200,6 +198,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         dm = create_datamodule(data.pop("name"), **data)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
+    check_memory(model.forward_bytes(dm.eval_batch_size, size), f"a forward of {dm.eval_batch_size} images of "
+                 f"{size} px", "--img-size" if args.img_size else "data.img_size")
     try:
         result = evaluate(model, dm, device=args.device, progress=args.progress)
     except (ValueError, RuntimeError) as err:  # the model refuses this input (grid, channels)
@@ -211,8 +211,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
           f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%  "
           f"loss {result['loss']:.4f}  ({result['images']} images)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, overwrite=args.overwrite)
     return 0
 
 
@@ -237,12 +236,14 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
 
     path = Path(ckpt)
     data = None
-    for run_cfg in (path.parent.parent / "config.yaml", path.parent / "config.yaml"):
-        if run_cfg.is_file():
-            data = OmegaConf.to_container(OmegaConf.load(run_cfg).data, resolve=True)
-            break
-    if data is None and path.with_suffix(".json").is_file():
-        data = json.loads(path.with_suffix(".json").read_text()).get("data")
+    for saved in (path.parent.parent / "config.yaml", path.parent / "config.yaml", path.with_suffix(".json")):
+        if saved.is_file():  # a document from disk: bounded, never interpolated (ssogvit.inputs.read_document)
+            document = read_document(saved, "the run's config")
+            data = document.get("data") if isinstance(document, dict) else None
+            if data is not None and not isinstance(data, dict):
+                raise ConfigError(f"{saved}: its data config is not a mapping")
+            if data is not None:
+                break
     data_overrides = [o for o in overrides if o.startswith("data")]
     if data is None and not any(o.startswith("data=") for o in overrides):
         raise ConfigError(f"no data config beside {path} (its run's config.yaml or the export's .json): name the "
@@ -268,7 +269,7 @@ def list_main(argv: list[str]) -> int:
     """`ssogvit list [models|mixers|experiments|datasets] [--table N]`"""
     parser = ArgumentParser(prog="ssogvit list", description="List models, mixers, datasets and experiments.")
     parser.add_argument("what", nargs="?", default="all", choices=("all", "models", "mixers", "datasets", "experiments"))
-    parser.add_argument("--table", type=int, default=None,
+    parser.add_argument("--table", type=Int(1, 1000).argparse, default=None,
                         help="list the experiments of this paper table, each with its row and the paper's Acc@1")
     args = parser.parse_args(argv)
     from .config import experiment_meta, list_experiments

@@ -56,8 +56,11 @@ def plot_training_curves(runs: Mapping[str, str | Path], path: str | Path, *, ti
     axes[0].legend()
     if title:
         fig.suptitle(title)
+    from ssogvit.outputs import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:  # the caller's own fresh folder (`ssogvit main`): the one writer, a kill leaves the old file or nothing
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=True)
+    finally:
+        plt.close(fig)
     return path

@@ -76,11 +76,23 @@ def _usage_error(prog: str) -> Callable[[str], None]:
 
 
 def _check_overrides(overrides: Sequence[str]) -> None:
+    """Refuse, naming it, an override that is not `key=value` or that Hydra's grammar cannot read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .config import quote_override
     from .errors import ConfigError
 
     bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bare:
         raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(quote_override(override))
+        except Exception as err:  # noqa: BLE001 - Hydra's own grammar errors
+            first = (str(err).splitlines() or [type(err).__name__])[0].split(" See https://")[0]
+            raise ConfigError(f"{override!r} is not a valid override ({first}); quote a value with brackets or "
+                              f"commas, e.g. 'key=\"[1, 2\"'") from None
 
 
 def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], Any], *,

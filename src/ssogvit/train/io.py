@@ -10,7 +10,7 @@ Two formats hold a trained model:
 Both are read without executing code from the file: checkpoints with `torch.load(weights_only=True)`, exports with
 `safetensors`. Both carry a SHA-256 digest of their contents (`content_digest`), written with them and checked on
 every load (and so before every resume): a file that fails it is refused, naming the file, and never loaded. The
-model is rebuilt from the config, checked first (`ssogvit.inputs.check_model_config`), with
+model is rebuilt from the config, checked first (`ssogvit.models.check_model_config`), with
 `ssogvit.models.create_model`; weights that are not finite are refused.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ssogvit.inputs import MAX_PARAMETERS, InputError, check_device, input_file, read_document
-from ssogvit.inputs import check_model_config as _check_model_config
+from ssogvit.models import check_model_config as _check_model_config
 from ssogvit.models import create_model
 from ssogvit.outputs import atomic_write
 
@@ -89,7 +89,7 @@ def _checkpoint_file(path: str | Path, what: str = "checkpoint") -> Path:
     the files in it that hold weights)."""
     p = Path(path).expanduser()
     try:
-        return input_file(p, what)
+        return input_file(p, what, what=what)
     except InputError as err:
         hint = ""
         if p.is_dir():
@@ -206,7 +206,7 @@ def count_parameters(model: nn.Module) -> int:
 
 def check_model_config(config: Any, *, source: str | Path = "the model config") -> dict[str, Any]:
     """`config` if it names a model of ours within its declared ranges and `MAX_PARAMETERS`; `CheckpointError`
-    otherwise (`ssogvit.inputs.check_model_config`, the one validator of model configs read from files)."""
+    otherwise (`ssogvit.models.check_model_config`, the one validator of model configs read from files)."""
     try:
         return _check_model_config(config, source=source)
     except InputError as err:

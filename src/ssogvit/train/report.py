@@ -10,22 +10,26 @@ into `--out`:
   that reproduce no paper row;
 - `curves.png`: training and validation loss, and validation top-1, against epoch, every run on the same axes.
 
-Existing files are never overwritten unless `--force` is given.
+Existing files are never overwritten unless `--overwrite` is given; the files are written together (all or none,
+`ssogvit.outputs.staged_outputs`) and only after every run folder has been read.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssogvit.errors import report_errors
+from ssogvit.inputs import InputError, Int, input_folder, read_document
+from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
+
 __all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "plot_curves", "main"]
 
 
-class ReportError(ValueError):
+class ReportError(InputError):
     """A run folder that cannot be reported, or a report that would overwrite files."""
 
 
@@ -59,30 +63,39 @@ CURVES = ("train/loss_epoch", "val/loss", "val/top1")
 
 def read_run(path: str | Path) -> RunLog:
     """The logged metrics and paper rows of the run in `path` (a folder written by `ssogvit train`)."""
-    from omegaconf import OmegaConf
-
-    path = Path(path)
+    path = input_folder(path, "RUN_DIR")
     cfg_file = path / "config.yaml"
     if not cfg_file.is_file():
         raise ReportError(f"{path}: no config.yaml; expected a run folder written by `ssogvit train`")
-    versions = sorted((path / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    versions = sorted((path / "logs").glob("version_*/metrics.csv"),
+                      key=lambda p: int(p.parent.name.split("_")[1]) if p.parent.name[8:].isdigit() else -1)
     if not versions:
         raise ReportError(f"{path}: no logs/version_*/metrics.csv; expected a run folder written by `ssogvit train`")
-    cfg = OmegaConf.load(cfg_file)
-    meta = OmegaConf.to_container(cfg.meta, resolve=False) if "meta" in cfg else {}
-    rows = meta.get("rows") or []
-    run = RunLog(path=path, name=str(cfg.get("name", path.name)), data=str(cfg.data.name),
-                 max_epochs=int(cfg.trainer.max_epochs), rows=list(rows))
+    cfg = read_document(cfg_file, "config.yaml")  # bounded, never interpolated: a run folder may come from anyone
+    try:
+        meta = cfg.get("meta") or {}
+        rows = list(meta.get("rows") or [])
+        run = RunLog(path=path, name=str(cfg.get("name", path.name)), data=str(cfg["data"]["name"]),
+                     max_epochs=int(cfg["trainer"]["max_epochs"]), rows=rows)
+        for m in rows:
+            int(m["table"]), str(m["row"])
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ReportError(f"{cfg_file}: not the config of a run of `ssogvit train` ({type(err).__name__}: {err})"
+                          ) from None
     for csv_file in versions:  # later launches (resume) override earlier values of the same epoch
-        with open(csv_file, newline="") as f:
-            for rec in csv.DictReader(f):
-                if not rec.get("epoch"):
-                    continue
-                epoch = int(float(rec["epoch"])) + 1
-                for key in CURVES:
-                    value = rec.get(key)
-                    if value not in (None, ""):
-                        run.series.setdefault(key, {})[epoch] = float(value)
+        try:
+            with open(csv_file, newline="") as f:
+                for rec in csv.DictReader(f):
+                    if not rec.get("epoch") or None in rec or None in rec.values():  # a line torn by a kill
+                        continue
+                    epoch = int(float(rec["epoch"])) + 1
+                    for key in CURVES:
+                        value = rec.get(key)
+                        if value not in (None, ""):
+                            run.series.setdefault(key, {})[epoch] = float(value)
+        except (ValueError, UnicodeDecodeError, csv.Error) as err:
+            raise ReportError(f"{csv_file}: not a metrics log written by Lightning ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
     if not run.series.get("val/top1"):
         raise ReportError(f"{path}: its metrics hold no val/top1; no epoch of the run has finished")
     return run
@@ -162,24 +175,26 @@ def plot_curves(runs: list[RunLog], path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     """`ssogvit report RUN_DIR... [--table N] [--out DIR] [--force]`"""
-    parser = argparse.ArgumentParser(
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser(
         prog="ssogvit report",
         description="Write the markdown table of a paper table (our validation top-1 beside the paper's Acc@1) and "
         "PNG training curves from the logged metrics of runs written by `ssogvit train`.",
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (output_dir of `ssogvit train`)")
-    parser.add_argument("--table", type=int, default=None, help="only this paper table (every run must belong to it)")
+    parser.add_argument("--table", type=Int(1, 1000).argparse, default=None,
+                        help="only this paper table (every run must belong to it)")
     parser.add_argument("--out", default="report", help="folder for the tables and curves.png (default: report)")
-    parser.add_argument("--force", action="store_true", help="overwrite files already in --out")
+    parser.add_argument(OVERWRITE_FLAG, action="store_true", help="replace files already in --out")
     args = parser.parse_args(argv)
-    try:
-        written = _report(args)
-    except ReportError as err:
-        print(f"ssogvit report: {err}", file=sys.stderr)
-        return 2
-    for p in written:
-        print(f"wrote {p}")
-    return 0
+
+    def run() -> int:
+        for p in _report(args):
+            print(f"wrote {p}")
+        return 0
+
+    return report_errors("ssogvit report", run)
 
 
 def _report(args: argparse.Namespace) -> list[Path]:
@@ -194,7 +209,7 @@ def _report(args: argparse.Namespace) -> list[Path]:
                               "meta.rows); leave out --table to report every table they belong to")
         tables = [args.table]
     outputs: dict[Path, str | None] = {}
-    out = Path(args.out)
+    out = check_output_folder(args.out, "--out")
     for t in tables:
         outputs[out / f"table{t}.md"] = table_markdown(t, experiment_rows(t), runs)
     loose = [r for r in runs if not r.rows]
@@ -202,12 +217,13 @@ def _report(args: argparse.Namespace) -> list[Path]:
         outputs[out / "runs.md"] = table_markdown(None, [], loose)
     outputs[out / "curves.png"] = None
     existing = [str(p) for p in outputs if p.exists()]
-    if existing and not args.force:
-        raise ReportError(f"{', '.join(existing)} already exist; pass --force to overwrite or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    for p, text in outputs.items():
-        if text is None:
-            plot_curves(runs, p)
-        else:
-            p.write_text(text)
+    if existing and not args.overwrite:
+        raise ReportError(f"{', '.join(existing)} already exist; pass {OVERWRITE_FLAG} to replace them or choose "
+                          "another --out", argument="--out")
+    with staged_outputs(out, "--out", overwrite=args.overwrite) as stage:
+        for p, text in outputs.items():
+            if text is None:
+                plot_curves(runs, stage / p.name)
+            else:
+                (stage / p.name).write_text(text)
     return list(outputs)

@@ -15,6 +15,7 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
-from ssogvit.outputs import RunFolder
+from ssogvit.outputs import OutputError, RunFolder, check_output_folder
 
 from .errors import ConfigError
 from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
@@ -135,8 +136,10 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
         return ConfigError(f"{what}: {(str(err).splitlines() or [type(err).__name__])[0]}")
 
     output_dir = Path(str(cfg.output_dir)).expanduser()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"output_dir={output_dir} is a file, not a folder")
+    try:  # a file where the folder belongs, a folder that cannot be written or created
+        check_output_folder(output_dir, "output_dir")
+    except OutputError as err:
+        raise ConfigError(str(err)) from None
     try:
         dm = build_datamodule(cfg)
     except (ValueError, TypeError) as err:  # an option the dataset does not take, a value it refuses
@@ -211,14 +214,15 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
         return _fit(cfg, output_dir, trainer, dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
     folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
-    with folder.lock():
-        resume = folder.decide_resume(resume_setting, config)
+    planned = folder.decide_resume(resume_setting, config)  # refused here, nothing is written (not even the lock)
+    checked = check_resumable(planned, module.hparams["model_config"]) if planned else None
+    with folder.claim(resume_setting, config) as resume:
+        epoch, step = -1, 0
         if resume is not None:
-            ckpt = check_resumable(resume, module.hparams["model_config"])
+            ckpt = checked if resume == planned else check_resumable(resume, module.hparams["model_config"])
             epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
             del ckpt
-        else:
-            epoch, step = -1, 0
+        del checked
         prune_logs(output_dir, epoch=epoch, step=step)
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if verbose and resume:
@@ -231,6 +235,15 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     return summary
 
 
+class _QuietSignals(logging.Filter):
+    """Drops Lightning's own lines about a signal (`Received SIGTERM`, `Detected KeyboardInterrupt`): `fit` says it
+    in one line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("Received SIGTERM" in text or "Detected KeyboardInterrupt" in text)
+
+
 def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
     """`trainer.fit`, ending with one line when SIGINT or SIGTERM stops it (`ssogvit.errors.Interrupted`: what the
     folder holds and how to go on); Lightning's own ending there is `sys.exit(1)` or a traceback."""
@@ -239,6 +252,11 @@ def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
     from ssogvit.errors import Interrupted
 
     signum = None
+    quiet = _QuietSignals()
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch.trainer.connectors.signal_connector",
+                                                "lightning.pytorch.utilities.rank_zero")]
+    for log in loggers:
+        log.addFilter(quiet)
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=resume, weights_only=True)
     except Interrupted as err:
@@ -249,13 +267,16 @@ def fit(trainer, module, dm, resume: str | None, output_dir: Path) -> None:
         if not trainer.interrupted:
             raise
         signum = signal.SIGTERM if trainer.received_sigterm else signal.SIGINT
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)
     if signum is None and not trainer.interrupted:
         return
     last = output_dir / "checkpoints" / "last.ckpt"
     if last.is_file():
         from .io import read_checkpoint
 
-        epochs = int(read_checkpoint(last, mmap=True).get("epoch", 0))
+        epochs = int(read_checkpoint(last, mmap=True).get("epoch", -1)) + 1  # saved at the end of that epoch
         detail = (f"{last} ({epochs} epoch(s) done) resumes the run exactly: launch the same command again "
                   "(resume=auto)")
     else:
