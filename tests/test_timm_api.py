@@ -234,6 +234,17 @@ def test_two_forwards_at_two_grids_then_one_backward_give_the_same_gradients_wit
     _assert_same_gradients(_two_grid_gradients(model, True), _two_grid_gradients(model, False))
 
 
+def test_checkpointing_works_in_a_fresh_process_where_the_cpu_kernel_checks_itself_inside_a_checkpointed_block():
+    # the kernel's first-use self-check runs autograd on its own tensors; inside a checkpointed block the
+    # checkpoint's saved-tensor hooks took them for the block's, and the first backward of a new process failed
+    code = ("import torch; from ssogvit.models import create_model; "
+            "m = create_model('vit-tiny-ssog-steered', img_size=32, patch_size=8, depth=2, num_classes=3, "
+            "embed_dim=48, num_heads=3); m.set_grad_checkpointing(True); "
+            "m(torch.randn(2, 3, 32, 32)).sum().backward(); print(m.blocks[0].attn.v.weight.grad.abs().sum() > 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "tensor(True)", done.stderr[-2000:]
+
+
 def test_blocks_shared_by_two_models_take_each_models_grid():
     # nested / shared use: the same block modules in a second model, run in between (a teacher inside a student)
     outer = open_steering(create_model("vit-tiny-ssog-steered", **{**TINY, **SMALL, "depth": 2}))

@@ -75,7 +75,7 @@ def test_deepcopy_for_ema_keeps_its_own_grid():
 
 def test_ssogify_rejects_masks_and_bad_arguments():
     model = tiny_vit()
-    with pytest.raises(ValueError, match="unknown mixer"):
+    with pytest.raises(ValueError, match="mixer='mha': expected one of 'ssog', 'ssog-steered'"):
         ssogvit.ssogify(model, mixer="mha")
     ssogvit.ssogify(model)
     with pytest.raises(ValueError, match="no attention mask"):
