@@ -8,15 +8,19 @@ appended to ``DIR/gpu_check.jsonl`` as soon as it is measured (a run cut short k
 
 1. Exactness on CUDA: impl="triton" against impl="stacked" (the torch path, same dtype) and against a float64
    reference, forward and gradients (values, ky, kx, lam), fp64, fp32 (TF32 off), fp16 and bf16, several grids and
-   prefix counts, the 64x64 grid of 1024 px included (8 warps, 64-wide channel tiles); double backward refused;
-   what impl="auto" picks on CUDA (Triton for fp16/bf16 and TF32 fp32; the torch path for fp32 without TF32 and
-   fp64); one small case under ``compute-sanitizer --tool memcheck`` when the tool is installed.
+   prefix counts, the 64x64 grid of 1024 px included (8 warps, 64-wide channel tiles); double backward equal to
+   the einsum path's; what impl="auto" picks on CUDA (Triton for fp16/bf16 and TF32 fp32; the torch path for fp32
+   without TF32 and fp64); the registered ops (``torch.ops.ssogvit.triton_fixed_mix`` and its backward,
+   ``torch.library.triton_op``) through the whole ``torch.library.opcheck`` (fake tensors and AOT dispatch need a
+   GPU); NaN and infinities in the values and the mixture weights where the torch path has them; one small case
+   under ``compute-sanitizer --tool memcheck`` when the tool is installed.
 2. Timing, fp16, ViT-B width (D=768, H=12, R=4, patch 16, one class token), batch 8, at 224, 512 and 1024 px:
    the token-mixing core alone (fixed SSoG: Triton and stacked; attention: SDPA restricted to FlashAttention), and
    the whole mixer (projections included: SSoGAttention against the fused MHA ``Attention``), forward and
-   forward+backward; the core's backward with the kernel gradients (ky, kx, lam) as training needs them. Median
-   of ``--iters`` timed iterations after ``--warmup`` (CUDA events, synchronised), and the peak memory above the
-   inputs. Prints one table; ``--json PATH`` also writes the rows.
+   forward+backward, eager and under ``torch.compile(fullgraph=True)`` (compile time and graph count recorded);
+   the core's backward with the kernel gradients (ky, kx, lam) as training needs them. Median of ``--iters`` timed
+   iterations after ``--warmup`` (CUDA events, synchronised), and the peak memory above the inputs. Prints one
+   table; ``--json PATH`` also writes the rows.
 3. A sweep of the kernel's launch configuration (channels per program, warps) at the smallest and largest
    resolution (``--no-sweep`` skips it): the defaults were chosen without a GPU.
 """
@@ -154,20 +158,15 @@ def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
         ok &= exact_case(rec, device, i, case, dtypes)
 
     def dispatch():  # what "auto" picks on CUDA, per dtype and TF32 setting
-        calls = []
-        orig = triton_backend._TritonMix.apply
-        triton_backend._TritonMix.apply = lambda *a: calls.append(1) or orig(*a)
         v, ky, kx, lam, _ = problem((4, 5), 1, b=1, h=2, r=2, dh=16, device=device, seed=0)
         picks = {}
         try:
             for dt, tf32 in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, False),
                              (torch.float32, True), (torch.float64, False)):
                 set_tf32(tf32)
-                calls.clear()
-                ops.ssog_mix(v.to(dt), (4, 5), ky.to(dt), kx.to(dt), lam.to(dt), impl="auto")
-                picks[f"{str(dt)[6:]}{'+tf32' if tf32 else ''}"] = bool(calls)
+                name = ops.backend_for("fixed", "auto", v.to(dt), ky.to(dt), kx.to(dt), lam.to(dt))
+                picks[f"{str(dt)[6:]}{'+tf32' if tf32 else ''}"] = name == "triton"
         finally:
-            triton_backend._TritonMix.apply = orig
             set_tf32(False)
         expected = {"float16": True, "bfloat16": True, "float32": False, "float32+tf32": True, "float64": False}
         print(f"impl='auto' on CUDA takes the Triton path: {picks} (expected {expected})", flush=True)
@@ -176,26 +175,60 @@ def check_exactness(rec: Recorder, device, cases=EXACT_CASES,
 
     def wide():  # a grid too wide for the kernel's shared memory (4096 px at patch 16): "auto" falls back
         v = torch.zeros(1, 4 * 256, 64, device=device, dtype=torch.float16)
-        usable = triton_backend.triton_usable(v, (4, 256), 4)
+        tables = (torch.zeros(1, 4, 4, 4, device=device, dtype=torch.float16),
+                  torch.zeros(1, 4, 256, 256, device=device, dtype=torch.float16),
+                  torch.zeros(1, 4, device=device, dtype=torch.float16))
+        reason = triton_backend.unsupported("fixed", v, *tables, auto=True)
         kib = triton_backend._kernels().shared_bytes(256, 4, 64, torch.float16) // 1024
-        print(f"grid width 256, 4 atoms, fp16: triton usable = {usable} (expected False: {kib} KiB of shared memory)")
-        rec(section="shared-memory", usable=usable, kib=kib, ok=not usable)
-        return not usable
+        print(f"grid width 256, 4 atoms, fp16: refused = {reason!r} (expected a refusal: {kib} KiB of shared memory)")
+        rec(section="shared-memory", reason=reason, kib=kib, ok=reason is not None)
+        return reason is not None
 
-    def double_backward():  # the kernel's backward cannot be differentiated again: an error, never a wrong result
-        v, ky, kx, lam, w = problem((3, 4), 1, b=1, h=2, r=2, dh=16, device=device, seed=1)
-        v = v.float().requires_grad_()
-        try:
-            y = ops.ssog_mix(v, (3, 4), ky.float(), kx.float(), lam.float(), impl="triton")
-            torch.autograd.grad((y * w.float()).sum(), v, create_graph=True)
-            refused = False
-        except RuntimeError as exc:
-            refused = "once differentiable" in str(exc)
-        print(f"double backward through the kernel refused: {refused}", flush=True)
-        rec(section="double-backward", refused=refused, ok=refused)
-        return refused
+    def double_backward():  # a gradient penalty through the kernel: the einsum path's second derivative
+        def penalty(impl):
+            v, ky, kx, lam, w = problem((3, 4), 1, b=1, h=2, r=2, dh=16, device=device, seed=1)
+            v, ky = v.float().requires_grad_(), ky.float().requires_grad_()
+            y = ops.ssog_mix(v, (3, 4), ky, kx.float(), lam.float(), impl=impl)
+            (g,) = torch.autograd.grad((y * w.float()).sum(), v, create_graph=True)
+            return torch.autograd.grad(g.square().sum(), ky)[0]
 
-    for name, fn in (("dispatch", dispatch), ("shared-memory", wide), ("double-backward", double_backward)):
+        err = rel(penalty("triton"), penalty("einsum"))
+        print(f"double backward through the kernel against the einsum path: {err:.2e}", flush=True)
+        rec(section="double-backward", err=err, ok=err < 1e-5)
+        return err < 1e-5
+
+    def opcheck():  # the registered ops, every check torch.library.opcheck has
+        mod = triton_backend._kernels()
+        v, ky, kx, lam, w = problem((5, 7), 1, b=2, h=2, r=3, dh=16, device=device, seed=2)
+        for dt in (torch.float32, torch.float16):
+            args = [t.to(dt) for t in (v, ky, kx, lam)]
+            torch.library.opcheck(mod.fixed_mix, tuple(a.clone().requires_grad_() for a in args))
+            torch.library.opcheck(mod.fixed_mix_backward, (w.to(dt), *args))
+        print("torch.library.opcheck of triton_fixed_mix and triton_fixed_mix_backward (fp32, fp16): ok", flush=True)
+        rec(section="opcheck", ok=True)
+        return True
+
+    def nonfinite():  # NaN and infinities in the values and the mixture weights, against the torch path
+        bad = []
+        for which, index in ((0, 40), (3, 1)):
+            for poison in (float("nan"), float("inf"), -float("inf")):
+                outs = {}
+                for impl in ("triton", "stacked"):
+                    v, ky, kx, lam, w = problem((6, 9), 1, b=2, h=2, r=3, dh=16, device=device, seed=3)
+                    args = [v, ky, kx, lam]
+                    args[which].view(-1)[index] = poison
+                    outs[impl] = run(impl, torch.float32, *args, w, (6, 9))
+                for a, b in zip(outs["triton"], outs["stacked"]):
+                    same = (torch.equal(a.isnan(), b.isnan()) and torch.equal(a == float("inf"), b == float("inf"))
+                            and torch.equal(a == -float("inf"), b == -float("inf")))
+                    if not same:
+                        bad.append((which, index, poison))
+        print(f"NaN/inf in values and mixture weights where the torch path has them: {'ok' if not bad else bad}")
+        rec(section="nonfinite", bad=[str(b) for b in bad], ok=not bad)
+        return not bad
+
+    for name, fn in (("dispatch", dispatch), ("shared-memory", wide), ("double-backward", double_backward),
+                     ("opcheck", opcheck), ("nonfinite", nonfinite)):
         ok &= bool(rec.guarded(name, name, fn))
     set_tf32(True)
     return ok
@@ -265,6 +298,12 @@ def bench(rec: Recorder, device, resolutions, batch, warmup, iters):
 
     for res in resolutions:
         rec.guarded("timing", f"{res} px", lambda res=res: bench_resolution(add, device, res, batch, warmup, iters))
+        from torch._dynamo.utils import counters  # the compiled mixers so far: graphs (one per shape and mode), breaks
+
+        rec(section="compile", res=res, unique_graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=dict(counters["graph_break"]))
+        print(f"   compiled so far: {counters['stats']['unique_graphs']} graphs, graph breaks "
+              f"{dict(counters['graph_break']) or 'none'}", flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -301,6 +340,8 @@ def bench_resolution(add, device, res, batch, warmup, iters):
         "sdpa-flash": flash,
     }
     mixers = {"ssog-triton": ssog, "ssog-stacked": ssog_st, "mha-sdpa": mha}
+    for name in ("ssog-triton", "mha-sdpa"):  # compiled: one graph (fullgraph), the kernel a node of it
+        mixers[f"{name}-c"] = torch.compile(mixers[name], fullgraph=True)
     for name, fn in core.items():
         with torch.inference_mode():
             ms = cuda_time(fn, warmup, iters)
@@ -332,22 +373,34 @@ def bench_resolution(add, device, res, batch, warmup, iters):
     for name, m in mixers.items():  # whole mixer, projections included, fp16 autocast
         def fwd(m=m):
             with torch.autocast("cuda", dtype=dt):
-                return m(x, grid=grid)
+                return m(x, grid=grid, num_prefix_tokens=1)
 
         with torch.inference_mode():
+            compile_s = first_call_s(fwd)
             ms = cuda_time(fwd, warmup, iters)
             mem = peak_mib(fwd)
-        add(res=res, tokens=t, what="mixer", name=name, pass_="fwd", ms=ms, mib=mem)
+        add(res=res, tokens=t, what="mixer", name=name, pass_="fwd", ms=ms, mib=mem, first_call_s=compile_s)
     for name, m in mixers.items():  # whole mixer, forward + backward (parameters' gradients included)
         xg = x.detach().requires_grad_()
 
         def fwd_bwd(m=m, xg=xg):
             with torch.autocast("cuda", dtype=dt):
-                y = m(xg, grid=grid)
+                y = m(xg, grid=grid, num_prefix_tokens=1)
             y.float().sum().backward()
 
+        compile_s = first_call_s(fwd_bwd)
         ms = cuda_time(fwd_bwd, warmup, iters)
-        add(res=res, tokens=t, what="mixer", name=name, pass_="fwd+bwd", ms=ms, mib=peak_mib(fwd_bwd))
+        add(res=res, tokens=t, what="mixer", name=name, pass_="fwd+bwd", ms=ms, mib=peak_mib(fwd_bwd),
+            first_call_s=compile_s)
+
+
+def first_call_s(fn) -> float:
+    """Seconds of one synchronised call (for a compiled function's first call: its compile time)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def sweep(rec: Recorder, device, resolutions, batch, warmup, iters):

@@ -1,5 +1,6 @@
-"""The C kernel for steered SSoG (``ssogvit.backends.cpu``): its whole mixing and its tables against the torch path and
-the dense float64 reference, its refusals, and how it is built, cached, and replaced when it cannot be."""
+"""The C kernel (``ssogvit.backends.cpu``): its mixing and its backwards, fixed and steered, against the torch backend
+and the dense float64 reference, as registered torch ops (``torch.library.opcheck``), what it refuses, and how it is
+built, cached, and replaced when it cannot be."""
 
 import json
 import os
@@ -12,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssogvit import ops, reference
-from ssogvit.backends import _common as backend, cpu
-from ssogvit.backends._common import grid_offsets
+from ssogvit import core, ops, reference
+from ssogvit.backends import cpu
 
 # only a machine without a C compiler skips these; where one exists, a kernel that fails its build or its probe fails
 # the tests below (they require it)
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None
                                 reason="no C compiler: the kernel is not built")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+OPS = torch.ops.ssogvit
 
 
 def _operands(b, gh, gw, h, r, dh, p, dtype, spread=3.0, seed=0):
@@ -35,208 +36,236 @@ def _operands(b, gh, gw, h, r, dh, p, dtype, spread=3.0, seed=0):
     return values, mu, sigma, lam, tau
 
 
-@pytest.mark.parametrize("grid", [(1, 7), (5, 7), (14, 14), (3, 40)])
-@pytest.mark.parametrize("prefix", [0, 1])
-@pytest.mark.parametrize("chunk", [1, 2, None])
-def test_inference_equals_the_torch_path_and_the_dense_reference(grid, prefix, chunk):
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
-        values, mu, sigma, lam, tau = _operands(2, *grid, 3, 4, 2, prefix, dtype)
-        with torch.no_grad():
-            with cpu.enabled(True):
-                fast = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, head_chunk=chunk)
-            with cpu.enabled(False):
-                plain = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, head_chunk=chunk)
-        a = reference.with_prefix(reference.dense_steered_matrix(*(t.double() for t in (mu, sigma, lam, tau)), grid),
-                                  prefix)
-        dense = reference.dense_mix(a, values.double())
-        scale = dense.abs().max()
-        assert float((fast.double() - dense).abs().max() / scale) < tol, dtype
-        assert float((fast - plain).abs().max() / scale) < tol, dtype
+def _fixed_operands(b, grid, h, r, dh, p, dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(b, p + grid[0] * grid[1], h * dh, generator=g, dtype=dtype)
+    mu, sigma = torch.randn(h, r, 2, generator=g, dtype=dtype) * 2, torch.rand(h, r, 2, generator=g, dtype=dtype) + .1
+    lam, tau = torch.softmax(torch.randn(h, r, generator=g, dtype=dtype), -1), torch.tensor(0.7, dtype=dtype)
+    ky, kx = (core.axis_kernels(n, mu[..., i], sigma[..., i], tau).to(dtype) for i, n in enumerate(grid))
+    return values, ky, kx, lam
 
 
-def test_the_kernel_is_built_and_agrees_with_the_torch_path_and_the_dense_reference():
-    """Its first use builds it and checks its tables against the torch path and its mixing against the dense
-    reference (``cpu.available``), without a warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert cpu.available(ops.gaussian_rows)
-
-
-def _dense(values, mu, sigma, lam, tau, grid, prefix):
+def _dense_steered(values, mu, sigma, lam, tau, grid, prefix):
     a = reference.with_prefix(reference.dense_steered_matrix(*(t.double() for t in (mu, sigma, lam, tau)), grid),
                               prefix)
     return reference.dense_mix(a, values.double())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_mixing_kernel_equals_the_dense_reference_in_place_and_out_of_place(dtype):
-    """``steered_mix`` itself, at widths that use its register tiles and their remainders (dh = 20: one 16-wide
-    float32 tile or two 8-wide float64 tiles, then 4 columns one by one), R = 3 atoms (a tile of 3 rows), rows of 7
-    queries (a tile of 4 and one of 3), written over the values or into another tensor, with 1 or 2 threads."""
-    grid, tol = (5, 7), 2e-6 if dtype == torch.float32 else 1e-12
-    values, mu, sigma, lam, tau = _operands(2, *grid, 2, 3, 20, 1, dtype, seed=3)
-    scale = ops.kernel_scale(sigma, tau)
-    dense = _dense(values, mu, sigma, lam, tau, grid, 1)
-    threads, results = torch.get_num_threads(), []
+def _dense_fixed(values, ky, kx, lam, prefix):
+    """``dense_mix`` of ``sum_r lam kron(ky, kx)`` in float64, differentiable in every argument."""
+    h, r, gh, _ = ky.shape
+    gw = kx.shape[-1]
+    a = torch.einsum("hr,hrac,hrbd->habcd", lam, ky, kx).reshape(h, gh * gw, gh * gw)
+    return reference.dense_mix(reference.with_prefix(a, prefix).expand(values.shape[0], -1, -1, -1), values)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _with_threads(fn, counts):
+    threads = torch.get_num_threads()
     try:
-        for n, inplace in ((1, False), (max(2, threads), False), (max(2, threads), True)):
+        out = []
+        for n in counts:
             torch.set_num_threads(n)
-            out = values.clone() if inplace else torch.full_like(values, float("nan"))
-            assert cpu.steered_mix(out, out if inplace else values, grid, mu, scale, lam, ops.gaussian_rows)
-            results.append(out)
+            out.append(fn())
+        return out
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_kernel_is_built_and_agrees_with_the_dense_reference():
+    """Its first use builds it and checks its mixing and backwards against the dense reference (``cpu.available``),
+    without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.available()
+
+
+@pytest.mark.parametrize("grid", [(1, 7), (5, 7), (14, 14), (3, 40)])
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_steered_inference_equals_the_torch_backend_and_the_dense_reference(grid, prefix):
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        values, mu, sigma, lam, tau = _operands(2, *grid, 3, 4, 2, prefix, dtype)
+        with torch.no_grad():
+            fast = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, impl="cpu")
+            plain = ops.ssog_mix_steered(values, grid, mu, sigma, lam, tau, impl="stacked")
+        dense = _dense_steered(values, mu, sigma, lam, tau, grid, prefix)
+        assert _rel(fast, dense) < tol, dtype
+        assert float((fast - plain).abs().max() / dense.abs().max()) < tol, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_steered_ops_equal_the_dense_reference_in_place_and_out_of_place(dtype):
+    """The mixing op itself, at widths that use its register tiles and their remainders (dh = 20: one 16-wide
+    float32 tile or two 8-wide float64 tiles, then 4 columns one by one), R = 3 atoms (a tile of 3 rows), rows of 7
+    queries (a tile of 4 and one of 3), written over the values or into a new tensor, with 1 or 2 threads (equal
+    bit for bit)."""
+    grid, tol = (5, 7), 2e-6 if dtype == torch.float32 else 1e-12
+    values, mu, sigma, lam, tau = _operands(2, *grid, 2, 3, 20, 1, dtype, seed=3)
+    scale = core.kernel_scale(sigma, tau)
+    dense = _dense_steered(values, mu, sigma, lam, tau, grid, 1)
+
+    def in_place():
+        out = values.clone()
+        OPS.cpu_steered_mix_(out, mu, scale, lam, *grid)
+        return out
+
+    results = _with_threads(lambda: OPS.cpu_steered_mix(values, mu, scale, lam, *grid), (1, 2)) + [in_place()]
     for out in results:
-        err = (out[:, 1:].double() - dense[:, 1:]).abs().max() / dense.abs().max()
-        assert float(err) < tol
-    assert torch.equal(results[2][:, 0], values[:, 0])  # the prefix row is the caller's: left alone
-    assert torch.isnan(results[0][:, 0]).all() and torch.isnan(results[1][:, 0]).all()
-    assert torch.equal(results[0][:, 1:], results[1][:, 1:]) and torch.equal(results[1][:, 1:], results[2][:, 1:])
+        assert _rel(out, dense) < tol
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("grid,prefix", [((5, 7), 1), ((1, 7), 0), ((14, 14), 2)])
 def test_fixed_mixing_by_the_kernel_equals_the_dense_reference_and_the_stacked_path(dtype, grid, prefix):
-    """``ssog_mix(impl="auto")`` on the CPU without autograd mixes with the kernel (its tables given): the dense
-    float64 reference and ``impl="stacked"`` agree, in place and not."""
-    h, r, dh, tol = 3, 3, 20, 2e-6 if dtype == torch.float32 else 1e-12
-    g = torch.Generator().manual_seed(5)
-    values = torch.randn(2, prefix + grid[0] * grid[1], h * dh, generator=g, dtype=dtype)
-    mu, sigma = torch.randn(h, r, 2, generator=g, dtype=dtype) * 2, torch.rand(h, r, 2, generator=g, dtype=dtype) + .1
-    lam, tau = torch.softmax(torch.randn(h, r, generator=g, dtype=dtype), -1), torch.tensor(0.7, dtype=dtype)
-    ky, kx = (reference.dense_axis_kernel(n, mu[..., i], sigma[..., i], tau) for i, n in enumerate(grid))
-    dense = reference.dense_mix(reference.with_prefix(reference.dense_fixed_matrix(
-        *(t.double() for t in (mu, sigma, lam, tau)), grid), prefix), values.double())
+    """``ssog_mix`` on the CPU mixes with the kernel (``impl="auto"``), in place and not: the dense float64
+    reference and ``impl="stacked"`` agree."""
+    values, ky, kx, lam = _fixed_operands(2, grid, 3, 3, 20, prefix, dtype)
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    dense = _dense_fixed(values.double(), ky.double(), kx.double(), lam.double(), prefix)
+    assert ops.backend_for("fixed", "auto", values, ky, kx, lam) == "cpu"
     with torch.no_grad():
-        assert cpu.mixes(values, (ky, kx, lam), ops.gaussian_rows)
         auto = ops.ssog_mix(values, grid, ky, kx, lam)
         stacked = ops.ssog_mix(values, grid, ky, kx, lam, impl="stacked")
         inplace = ops.ssog_mix(values.clone(), grid, ky, kx, lam, inplace=True)
     for out in (auto, stacked, inplace):
-        assert float((out.double() - dense).abs().max() / dense.abs().max()) < tol
+        assert _rel(out, dense) < tol
     assert torch.equal(auto, inplace)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_backward_kernel_equals_autograd_through_the_dense_reference(dtype):
-    """``steered_mix_grad`` (the steered backward without a second derivative) at widths and atom counts that use its
-    register tiles' remainders, with prefix tokens, with 1 or 2 threads (equal bit for bit): the gradients of the
-    values, ``mu``, ``scale`` and ``lam`` against autograd through the dense float64 reference."""
+def test_the_steered_backward_op_equals_autograd_through_the_dense_reference(dtype):
+    """The steered backward at widths and atom counts that use its register tiles' remainders, with prefix tokens,
+    with 1 or 2 threads (equal bit for bit): the gradients of the values, ``mu``, ``scale`` and ``lam`` against
+    autograd through the dense float64 reference."""
     grid, tol = (5, 7), 1e-5 if dtype == torch.float32 else 1e-11
     values, mu, sigma, lam, tau = _operands(2, *grid, 2, 3, 20, 2, dtype, seed=7)
-    scale = ops.kernel_scale(sigma, tau)
+    scale = core.kernel_scale(sigma, tau)
     grad = torch.randn(values.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
     inputs = [t.to(torch.float64, copy=True).requires_grad_() for t in (values, mu, scale, lam)]
     a = reference.dense_steered_matrix(inputs[1], 1 / inputs[2], inputs[3], torch.tensor(0.5, dtype=torch.float64),
                                        grid)  # tau = 1/2: the reference's scale is 1 / sigma
     want = torch.autograd.grad((reference.dense_mix(reference.with_prefix(a, 2), inputs[0]) * grad.double()).sum(),
                                inputs)
-    threads, got = torch.get_num_threads(), []
-    try:
-        for n in (1, max(2, threads)):
-            torch.set_num_threads(n)
-            g_values, g_geo = cpu.steered_mix_grad(values, grad, grid, mu, scale, lam, ops.gaussian_rows)
-            backend.add_prefix_grad(g_values, grad, 2)
-            got.append((g_values, *g_geo))
-    finally:
-        torch.set_num_threads(threads)
+    got = _with_threads(lambda: OPS.cpu_steered_mix_backward(grad, values, mu, scale, lam, *grid), (1, 2))
     for x, y in zip(got[0], want):
-        assert float((x.double() - y).abs().max() / y.abs().max()) < tol
+        assert _rel(x, y) < tol
     assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
-def test_what_the_mixing_kernel_refuses_goes_to_the_torch_path():
-    """``steered_mix`` answers ``False`` and writes nothing where it cannot mix faithfully."""
-    values, mu, sigma, lam, tau = _operands(1, 3, 4, 2, 2, 4, 1, torch.float32)
-    scale = ops.kernel_scale(sigma, tau)
-    out = torch.zeros_like(values)
-    refused = [
-        (values.half(), out.half(), mu.half(), scale.half(), lam.half()),  # a dtype it has no kernel for
-        (values, out, mu.double(), scale, lam),  # mixed dtypes
-        (values.clone().requires_grad_(), out, mu, scale, lam),  # autograd through it
-        (torch.zeros(1, 13, 16)[..., ::2], out, mu, scale, lam),  # the values' rows not unit stride
-        (values, torch.zeros(1, 13, 16)[..., ::2], mu, scale, lam),  # nor the output's
-    ]
-    for args in refused:
-        with torch.enable_grad():
-            assert not cpu.steered_mix(args[1], args[0], (3, 4), *args[2:], ops.gaussian_rows)
-    assert (out == 0).all()
-    with cpu.enabled(False):
-        assert not cpu.steered_mix(out, values, (3, 4), mu, scale, lam, ops.gaussian_rows)
-    assert (out == 0).all()
-    assert cpu.steered_mix(out, values, (3, 4), mu, scale, lam, ops.gaussian_rows) and (out[:, 1:] != 0).any()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grid,prefix", [((5, 7), 2), ((1, 7), 0), ((9, 3), 1)])
+def test_the_fixed_backward_op_equals_autograd_through_the_dense_reference(dtype, grid, prefix):
+    """The fixed backward (values, ``ky``, ``kx``, ``lam``) at a width that uses its tiles' remainders (dh = 20),
+    R = 3 atoms, prefix tokens, batch 3, against autograd through the dense float64 reference; 1 or 2 threads give
+    the same gradients bit for bit (the kernels' gradients are summed over images in a fixed order)."""
+    values, ky, kx, lam = _fixed_operands(3, grid, 2, 3, 20, prefix, dtype, seed=11)
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+    grad = torch.randn(values.shape, generator=torch.Generator().manual_seed(12), dtype=dtype)
+    inputs = [t.to(torch.float64, copy=True).requires_grad_() for t in (values, ky, kx, lam)]
+    want = torch.autograd.grad(_dense_fixed(*inputs, prefix), inputs, grad.double())
+    got = _with_threads(lambda: OPS.cpu_fixed_mix_backward(grad, values, ky, kx, lam), (1, 2))
+    for name, x, y in zip(("values", "ky", "kx", "lam"), got[0], want):
+        assert x.dtype == dtype and _rel(x, y) < tol, name
+    assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
-def test_training_gradients_equal_the_torch_path():
-    """The backward recomputes its tables with the kernel (no autograd through it): the same gradients."""
+@pytest.mark.parametrize("kind", ["fixed", "steered"])
+def test_training_gradients_equal_the_torch_backend(kind):
+    """A training step's gradients through ``ops`` (the kernel forward and backward) equal the torch backend's."""
     grid = (5, 6)
-    ops_in = [t.requires_grad_() for t in _operands(2, *grid, 2, 3, 2, 1, torch.float64)]
+    if kind == "fixed":
+        inputs = [t.requires_grad_() for t in _fixed_operands(2, grid, 2, 3, 4, 1, torch.float64)]
+        mix = lambda impl: ops.ssog_mix(inputs[0], grid, *inputs[1:], impl=impl)  # noqa: E731
+    else:
+        inputs = [t.requires_grad_() for t in _operands(2, *grid, 2, 3, 2, 1, torch.float64)]
+        mix = lambda impl: ops.ssog_mix_steered(inputs[0], grid, *inputs[1:], head_chunk=1, impl=impl)  # noqa: E731
     grads = {}
-    for on in (True, False):
-        with cpu.enabled(on):
-            y = ops.ssog_mix_steered(ops_in[0], grid, *ops_in[1:], head_chunk=1)
-            grads[on] = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum(),
-                                            ops_in)
-    for a, b in zip(grads[True], grads[False]):
+    for impl in ("cpu", "stacked"):
+        y = mix(impl)
+        grads[impl] = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum(),
+                                          inputs)
+    for a, b in zip(grads["cpu"], grads["stacked"]):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-12
+
+
+def _rows_by_mixing(mu, scale, lam):
+    """The kernel's weighted x-rows ``lam K^x`` of ``Q`` queries for ``M`` (mu, scale, lam) triples ``(M, Q)``: mixed
+    as ``M`` heads of one atom on a ``1 x Q`` grid (whose y-kernel is 1) with identity values, the output is the rows.
+    """
+    m, q = mu.shape
+    values = torch.eye(q, dtype=mu.dtype).repeat(1, m)[None]  # (1, Q, M*Q): head h's values the identity
+    geo = [torch.stack([torch.zeros_like(t), t], -1).permute(1, 0, 2)[None, :, :, None].contiguous()
+           for t in (mu, scale)]  # (1, Q, M, 1, 2): token q's centre and scale for head m
+    out = OPS.cpu_steered_mix(values, *geo, lam.T[None, :, :, None].contiguous(), 1, q)
+    return out[0].view(q, m, q).transpose(0, 1)  # (M, Q queries, Q sources)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rows_equal_gaussian_rows_at_the_extremes(dtype):
     """Centres far outside the grid and kernels far narrower than a cell: each row still sums to 1 (its largest
-    entry is found without underflow), and entries the torch path flushes are zero here too."""
-    q, r = 9, 4
-    mu = torch.tensor([0.0, 0.49, -30.0, 200.0], dtype=dtype).expand(2, 3, q, r).contiguous()[..., None]
-    s = torch.tensor([0.01, 40.0, 3.0, 1e3], dtype=dtype).expand(2, 3, q, r).contiguous()[..., None]
-    lam = torch.rand(2, 3, q, r, 1, dtype=dtype)
-    want = ops.gaussian_rows(grid_offsets(q, dtype, "cpu")[:, None, :], mu, s, inplace=True)
-    got = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
+    entry is found without underflow), entries the torch path flushes are zero here too, and lam times a normal
+    entry below the smallest normal number is flushed again (no denormal reaches a product)."""
+    q = 9
+    mu = torch.tensor([0.0, 0.49, -30.0, 200.0], dtype=dtype).repeat_interleave(q).view(4, q)
+    s = torch.tensor([0.01, 40.0, 3.0, 1e3], dtype=dtype).repeat_interleave(q).view(4, q)
+    want = core.gaussian_rows(core.grid_offsets(q, dtype, "cpu"), mu[..., None], s[..., None])  # (4, Q, Q)
+    got = _rows_by_mixing(mu, s, torch.ones_like(mu))
     tol = 1e-6 if dtype == torch.float32 else 1e-13
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(got.sum(-1), torch.ones_like(got.sum(-1)), rtol=tol, atol=tol)
-    assert torch.equal(got == 0, want == 0) or (got - want).abs().max() < torch.finfo(dtype).tiny * 2
-    weighted = cpu.steered_rows(mu, s, lam, ops.gaussian_rows)
-    torch.testing.assert_close(weighted, want * lam, rtol=tol, atol=tol)
-    assert not ((weighted != 0) & (weighted.abs() < torch.finfo(dtype).tiny)).any()  # no denormal left
+    assert torch.equal(got == 0, want == 0)
+    lam = torch.rand(4, q, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_rows_by_mixing(mu, s, lam), want * lam[..., None], rtol=tol, atol=tol)
+    tiny = torch.finfo(dtype).tiny
+    s_edge = float(-torch.log(torch.tensor(2.1 * tiny, dtype=torch.float64))) ** 0.5  # neighbour exp(-s^2) = 2.1 tiny
+    edge = _rows_by_mixing(torch.zeros(1, q, dtype=dtype), torch.full((1, q), s_edge, dtype=dtype),
+                           torch.full((1, q), 0.25, dtype=dtype))
+    plain = _rows_by_mixing(torch.zeros(1, q, dtype=dtype), torch.full((1, q), s_edge, dtype=dtype),
+                            torch.ones(1, q, dtype=dtype))
+    assert ((plain[0, 0, 1] > tiny) & (plain[0, 0, 1] * 0.25 < tiny)).all()  # a normal neighbour, denormal x 0.25
+    assert edge[0, 0, 1] == 0 and not ((edge != 0) & (edge.abs() < tiny)).any()  # flushed: no denormal left
 
 
-def test_large_tables_split_between_threads_give_the_same_rows():
-    mu = torch.randn(8, 2, 48, 4, 1) * 3  # 147k entries: split between the threads
-    s = torch.rand(8, 2, 48, 4, 1) + 0.1
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
-        torch.set_num_threads(max(2, threads))
-        many = cpu.steered_rows(mu, s, None, ops.gaussian_rows)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, many)
+def test_the_ops_pass_torch_library_opcheck():
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of every op of the kernel, with
+    prefix tokens and odd sizes."""
+    values, mu, sigma, lam, tau = _operands(2, 3, 4, 2, 3, 5, 1, torch.float64)
+    scale = core.kernel_scale(sigma, tau)
+    f_values, ky, kx, f_lam = _fixed_operands(2, (3, 4), 2, 3, 5, 1, torch.float64)
+    grad = torch.randn_like(values)
+    leaves = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    cases = [
+        (OPS.cpu_fixed_mix, (*leaves(f_values, ky, kx, f_lam),)),
+        (OPS.cpu_fixed_mix_, (f_values.clone(), ky, kx, f_lam)),
+        (OPS.cpu_fixed_mix_backward, (grad, f_values, ky, kx, f_lam)),
+        (OPS.cpu_steered_mix, (*leaves(values, mu, scale, lam), 3, 4)),
+        (OPS.cpu_steered_mix_, (values.clone(), mu, scale, lam, 3, 4)),
+        (OPS.cpu_steered_mix_backward, (grad, values, mu, scale, lam, 3, 4)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
 
 
-def test_under_torch_compile_the_tables_are_left_to_the_compiler(monkeypatch):
-    mu, s = torch.zeros(2, 1, 4, 3, 1), torch.ones(2, 1, 4, 3, 1)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert cpu.steered_rows(mu, s, None, ops.gaussian_rows) is None  # a ctypes call would break the graph
-
-
-def test_what_the_kernel_refuses_goes_to_the_torch_path():
-    """``steered_rows`` answers ``None`` (the caller then builds the table with torch) for what it cannot read
-    faithfully: a layout other than contiguous (C, Q, R) blocks, mixed dtypes or shapes, autograd, other dtypes."""
-    mu, s = torch.zeros(2, 1, 4, 3, 1), torch.ones(2, 1, 4, 3, 1)
-    assert cpu.steered_rows(mu, s, None, ops.gaussian_rows) is not None
-    strided = torch.zeros(2, 1, 4, 3, 2)[..., :1]  # atoms two apart
-    assert cpu.steered_rows(strided, s, None, ops.gaussian_rows) is None
-    assert cpu.steered_rows(mu, s.double(), None, ops.gaussian_rows) is None
-    assert cpu.steered_rows(mu, s[:1], None, ops.gaussian_rows) is None
-    assert cpu.steered_rows(mu.half(), s.half(), None, ops.gaussian_rows) is None
-    assert cpu.steered_rows(mu.expand(2, 1, 4, 3, 2), s.expand(2, 1, 4, 3, 2), None, ops.gaussian_rows) is None
-    assert cpu.steered_rows(mu.requires_grad_(), s, None, ops.gaussian_rows) is None
-    heads = torch.zeros(2, 1, 3, 4, 3, 1)[:, :, 1:]  # a head slice of a contiguous tensor: read in place
-    assert cpu.steered_rows(heads, torch.ones(2, 1, 3, 4, 3, 1)[:, :, 1:], None, ops.gaussian_rows) is not None
-    assert cpu.steered_rows(heads, torch.ones(2, 1, 2, 4, 3, 1), None, ops.gaussian_rows) is None  # other layout
+def test_what_the_kernel_cannot_mix_goes_to_the_torch_backend_and_is_refused_by_name():
+    """The probe: other dtypes, mixed dtypes and the switch turn ``"auto"`` to the torch backend and make
+    ``impl="cpu"`` an error that says why; values whose rows are not contiguous are copied, not misread."""
+    values, ky, kx, lam = _fixed_operands(1, (3, 4), 2, 2, 4, 1, torch.float32)
+    refused = {"got torch.float16": (values.half(), ky.half(), kx.half(), lam.half()),
+               "in one dtype": (values, ky.double(), kx, lam)}
+    for reason, args in refused.items():
+        assert ops.backend_for("fixed", "auto", *args) == "stacked"
+        with pytest.raises(RuntimeError, match=reason):
+            ops.ssog_mix(args[0], (3, 4), *args[1:], impl="cpu")
     with cpu.enabled(False):
-        assert cpu.steered_rows(mu.detach(), s, None, ops.gaussian_rows) is None
+        assert ops.backend_for("fixed", "auto", values, ky, kx, lam) == "stacked"
+    strided = torch.randn(1, 13, 16)[..., ::2]
+    with torch.no_grad():
+        torch.testing.assert_close(ops.ssog_mix(strided, (3, 4), ky, kx, lam, impl="cpu"),
+                                   ops.ssog_mix(strided, (3, 4), ky, kx, lam, impl="stacked"), rtol=1e-6, atol=1e-6)
 
 
 _CHILD = """
@@ -244,13 +273,14 @@ import json, os, sys, warnings
 import torch
 warnings.simplefilter("always")
 from ssogvit import ops
-from ssogvit.backends import _common as backend, cpu
+from ssogvit.backends import cpu
 tiny = torch.finfo(torch.float32).tiny
 with warnings.catch_warnings(record=True) as caught:
-    used = cpu.available(ops.gaussian_rows)
-    cpu.available(ops.gaussian_rows)
+    used = cpu.available()
+    cpu.available()
     g = torch.Generator().manual_seed(0)
-    v, mu, sigma = torch.randn(1, 13, 4, generator=g), torch.randn(1, 12, 2, 2, 2, generator=g), torch.rand(1, 12, 2, 2, 2, generator=g) + 0.3
+    v, mu = torch.randn(1, 13, 4, generator=g), torch.randn(1, 12, 2, 2, 2, generator=g)
+    sigma = torch.rand(1, 12, 2, 2, 2, generator=g) + 0.3
     with torch.no_grad():
         y = ops.ssog_mix_steered(v, (3, 4), mu, sigma, torch.full((1, 12, 2, 2), 0.5), torch.tensor(1.0))
 print(json.dumps({"used": used, "warnings": [str(w.message) for w in caught], "y": y.flatten().tolist(),
@@ -278,7 +308,7 @@ from ssogvit.layers import create_mixer
 fixed, steered = create_mixer("ssog", 12, 3).eval(), create_mixer("ssog-steered", 12, 3).eval()
 x = torch.randn(2, 13, 12)
 with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-    assert cpu.available(ops.gaussian_rows)
+    assert cpu.available()
 with torch.inference_mode():
     y = fixed(x, grid=(3, 4)), steered(x, grid=(3, 4))
 assert all(bool(torch.isfinite(t).all()) for t in y)
@@ -295,7 +325,7 @@ def test_built_once_cached_replaced_without_a_compiler_and_loading_it_leaves_den
     first = _child(tmp_path)
     assert first["used"] and first["warnings"] == []
     assert first["denormal_kept"]  # the library was not linked with -ffast-math's process-wide flush-to-zero
-    (lib,) = (tmp_path / "cache").glob("cpu_steered-*.so")
+    (lib,) = (tmp_path / "cache").glob("cpu_kernels-*.so")
     stamp = lib.stat().st_mtime_ns
     second = _child(tmp_path)
     assert second["used"] and lib.stat().st_mtime_ns == stamp  # loaded from the cache, not built again

@@ -16,8 +16,8 @@ __all__ = ["EXTRAS", "missing", "require_extra"]
 
 #: extra -> import names of what it installs (pyproject.toml's optional-dependencies; ``all`` is every one)
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "train": ("lightning", "hydra", "omegaconf", "hydra_plugins.hydra_submitit_launcher", "tensorboard", "sklearn",
-              "matplotlib", "tqdm", "numpy"),
+    "train": ("lightning", "hydra", "omegaconf", "hydra_plugins.hydra_submitit_launcher",
+              "hydra_plugins.hydra_joblib_launcher", "tensorboard", "sklearn", "matplotlib", "tqdm", "numpy"),
     "analysis": (),  # ssogvit[train] (below)
     "bench": ("matplotlib",),
     "export": ("onnx", "onnxruntime", "onnxscript"),

@@ -1,254 +1,74 @@
-"""Functional core of SSoG: Gaussian axis kernels and the separable mixing they define (docs/operator.md).
+"""The SSoG operator as functions of tensors (docs/operator.md): the maths of ``ssogvit.core`` (re-exported here) and
+the mixing, checked and handed to the backend that one ordered probe picks (docs/operator.md, "Backends").
 
-Everything here is a function of plain tensors. Shapes use these letters:
-
-    B batch, H heads, R atoms, dh head width, D = H * dh,
-    Gh x Gw patch grid, N = Gh * Gw patch tokens in row-major raster order, P prefix tokens.
-
-The N x N mixing matrix is never built here; ``ssogvit.reference`` does that for tests and diagnostics.
+Every backend (``ssogvit.backends.cpu``, ``.triton``, ``.torch``; ``"einsum"`` is ``core``'s own path) has the same
+entry points, pure functions of tensors: ``fixed_forward``, ``fixed_backward``, ``steered_forward``,
+``steered_backward`` and ``unsupported`` (its probe). This module wires them into autograd once for all of them:
+``_FixedMix`` and ``_SteeredMix``. A backward that builds a graph (``create_graph=True``, a gradient penalty) is the
+einsum path's, which autograd can differentiate again.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Mapping
+import functools
+from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ssogvit.backends import torch as torch_backend
-from ssogvit.backends import triton as triton_backend
-from ssogvit.backends._common import flush_tiny, functional_only, gaussian_rows_grad, grid_offsets, prefix_pool
+from ssogvit import core
+from ssogvit.backends import cpu, triton
+from ssogvit.backends import torch as stacked
+from ssogvit.core import (
+    axis_kernels, check_grid, field_sigma, field_tau, functional_only, gaussian_rows, kernel_scale, position_dtype,
+    prefix_pool, steer_gate, steered_geometry, token_geometry,
+)
 
 __all__ = [
     "SSOG_IMPLS",
     "axis_kernels",
+    "backend_for",
     "check_grid",
     "field_sigma",
     "field_tau",
     "functional_only",
+    "gaussian_rows",
+    "kernel_scale",
     "position_dtype",
     "prefix_pool",
     "ssog_mix",
     "ssog_mix_steered",
-    "ssog_mix_steered_from",
+    "ssog_mix_steered_by_tokens",
     "steer_gate",
     "steered_geometry",
-    "token_axis_kernels",
-    "kernel_scale",
-    "gaussian_rows",
+    "token_geometry",
 ]
 
-#: Implementations of the fixed separable contraction (docs/operator.md, "Backends"). ``"auto"`` picks one by device,
-#: dtype and problem size. ``"triton"``: the fused kernel of ``ssogvit.backends.triton`` (CUDA; ``"auto"`` picks it in
-#: half precision, and in float32 with TF32 on, when Triton imports and the kernel passed its probe on the device).
-SSOG_IMPLS = ("auto", "stacked", "loop", "einsum", "triton")
+#: Implementations of both mixings (docs/operator.md, "Backends"): ``"cpu"`` the C kernel, ``"triton"`` the fused GPU
+#: kernel (fixed mixing only), ``"stacked"`` the torch backend's batched matmuls, ``"einsum"`` the readable path of
+#: ``ssogvit.core``; ``"auto"`` the first of ``AUTO_ORDER`` that takes the input.
+SSOG_IMPLS = ("auto", "cpu", "triton", "stacked", "einsum")
+_BACKENDS = {"cpu": cpu, "triton": triton, "stacked": stacked}
+#: The probe's order for ``impl="auto"``: Triton where it applies (CUDA), the C kernel on the CPU, else the torch
+#: backend, which takes anything.
+AUTO_ORDER = ("triton", "cpu", "stacked")
 
 
-def _grid_side(g: object) -> int:
-    if isinstance(g, torch.SymInt):  # traced / exported with a dynamic image size
-        return g  # type: ignore[return-value]
-    if isinstance(g, bool) or not hasattr(g, "__index__"):
-        raise TypeError
-    return operator.index(g)  # ints, numpy ints and integer tensors; 4.9 or 4.0 is an error, never truncated
-
-
-def check_grid(
-    num_tokens: int, grid: tuple[int, int], num_prefix_tokens: int | None = None, *,
-    max_implicit_prefix: int | None = None,
-) -> tuple[int, int, int]:
-    """Validate a grid against a token count; returns ``(Gh, Gw, num_prefix_tokens)``.
-
-    Args:
-        num_tokens: ``T``, the length of the token sequence.
-        grid: ``(Gh, Gw)``, two positive integers (a float, even a whole one, is an error, never truncated).
-        num_prefix_tokens: ``P`` when the caller knows it (every model does): then ``T`` must be exactly
-            ``P + Gh * Gw``. ``None`` takes ``P = T - Gh * Gw`` (``P >= 0``, at most ``max_implicit_prefix``).
-        max_implicit_prefix: the largest ``P`` taken without ``num_prefix_tokens`` (``None``: any). The mixers' own
-            calls take 1 (no class token, or one): any other count must be given, so that a grid too small for the
-            tokens is an error, never patches taken for prefix tokens.
-    """
-    try:
-        gh, gw = (_grid_side(g) for g in grid)
-    except (TypeError, ValueError):
-        raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}") from None
-    if gh < 1 or gw < 1:
-        raise ValueError(f"grid must be a pair (Gh, Gw) of positive ints, got {grid!r}")
-    prefix = num_tokens - gh * gw
-    if num_prefix_tokens is not None:
-        if prefix != num_prefix_tokens:
-            raise ValueError(
-                f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw = {num_prefix_tokens} + "
-                f"{gh}*{gw} = {num_prefix_tokens + gh * gw} tokens (P={num_prefix_tokens} prefix tokens, Gh={gh}, "
-                f"Gw={gw})"
-            )
-    elif prefix < 0:
-        raise ValueError(
-            f"token count {num_tokens} does not fit the grid: expected P + Gh*Gw tokens with Gh={gh}, Gw={gw} "
-            f"(Gh*Gw={gh * gw}) and P >= 0 prefix tokens"
-        )
-    elif max_implicit_prefix is not None and prefix > max_implicit_prefix:
-        raise ValueError(
-            f"token count {num_tokens} does not fit the grid: Gh*Gw = {gh}*{gw} = {gh * gw} patch tokens leave "
-            f"{prefix} prefix tokens; without num_prefix_tokens at most {max_implicit_prefix} (a class token) "
-            f"is taken, so pass num_prefix_tokens={prefix} if there are {prefix} (class and register tokens), or "
-            "the right grid"
-        )
-    return gh, gw, prefix
-
-
-def position_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype kernels are built in: at least float32, so that grid positions above 256 (bfloat16) or 2048
-    (float16) stay exact integers; float64 stays float64. The tables are cast to the values' dtype afterwards."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def field_sigma(rho: Tensor, sigma_min: float, eps_sigma: float) -> Tensor:
-    """Width ``sigma = sigma_min + softplus(rho) + eps_sigma``, in grid cells (docs/operator.md, "Parameterisation")."""
-    return sigma_min + F.softplus(rho) + eps_sigma
-
-
-def field_tau(theta: Tensor, tau_min: float) -> Tensor:
-    """Temperature ``tau = tau_min + softplus(theta)`` (docs/operator.md, "Parameterisation")."""
-    return tau_min + F.softplus(theta)
-
-
-def steer_gate(alpha: Tensor) -> Tensor:
-    """Steering gate ``s = softplus(alpha) + 1e-4`` (docs/operator.md, "Steering geometry")."""
-    return F.softplus(alpha) + 1e-4
-
-
-def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
-    """Row-softmax Gaussian kernels along one grid axis (docs/operator.md, "Axis kernels").
-
-    ``K[..., i, j] = softmax_j( -(j - i - mu)^2 / (2 sigma^2 tau) )`` over the ``length`` positions inside the grid.
-
-    Args:
-        length: axis length ``L`` (``Gh`` or ``Gw``).
-        mu: atom centres along this axis, any shape ``S`` (e.g. ``(H, R)``), in grid cells.
-        sigma: widths, shape ``S``.
-        tau: temperature, broadcastable to ``S``.
-
-    Returns:
-        Kernels of shape ``S + (L, L)`` in ``position_dtype(mu.dtype)``; each row sums to 1.
-    """
-    dtype = position_dtype(mu.dtype)
-    delta = grid_offsets(length, dtype, mu.device)  # (L, L): source j minus query i, exact integers
-    scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
-    return gaussian_rows(delta, mu.to(dtype)[..., None, None], scale[..., None, None])
-
-
-def kernel_scale(sigma: Tensor, tau: Tensor) -> Tensor:
-    """``s = 1 / (sigma sqrt(2 tau))``, so that a kernel's logit ``-(d - mu)^2 / (2 sigma^2 tau)`` is
-    ``-((d - mu) s)^2``; in ``position_dtype`` (docs/operator.md, "Axis kernels")."""
-    dtype = position_dtype(sigma.dtype)
-    return torch.rsqrt(2.0 * tau.to(dtype)) / sigma.to(dtype)
-
-
-def gaussian_rows(delta: Tensor, mu: Tensor, scale: Tensor, *, inplace: bool | None = None) -> Tensor:
-    """Kernel rows ``K[..., j] = softmax_j(-((delta_j - mu) * scale)^2)``, denormal entries set to zero (docs/operator.md,
-    "Axis kernels", "Denormals"): the one evaluation of the Gaussian kernel, for the fixed and the steered field.
-
-    Args:
-        delta: source minus query position ``j - i`` (exact integers, in ``position_dtype``), broadcastable to the
-            result; its last axis is the row.
-        mu, scale: centres and ``kernel_scale``, broadcastable to the result with a trailing axis of size 1.
-        inplace: build the table in one buffer, updated in place (inference). ``None``: whenever autograd and tracing
-            allow it.
-
-    Returns:
-        Rows of the broadcast shape. With autograd, ``_GaussianRows`` keeps the rows, ``mu`` and ``scale`` for
-        backward (one table, not the four a plain graph keeps).
-    """
-    grad = torch.is_grad_enabled() and (mu.requires_grad or scale.requires_grad)
-    if grad and not functional_only():
-        return _GaussianRows.apply(delta, mu, scale)
-    if inplace is None:
-        inplace = not grad and not functional_only()
-    if inplace:  # three passes over one buffer: subtract, square, scale by -s^2
-        logits = torch.sub(delta, mu).square_().mul_(-scale.square())
-    else:
-        logits = -((delta - mu) * scale).square()
-    return flush_tiny(torch.softmax(logits, dim=-1))
-
-
-class _GaussianRows(torch.autograd.Function):
-    """``gaussian_rows`` with autograd: saves the rows (and the small ``mu``, ``scale``); backward recomputes
-    ``delta - mu`` (``backends._common.gaussian_rows_grad``)."""
-
-    @staticmethod
-    def forward(ctx, delta: Tensor, mu: Tensor, scale: Tensor) -> Tensor:
-        with torch.no_grad():
-            rows = gaussian_rows(delta, mu, scale, inplace=True)
-        ctx.save_for_backward(delta, mu, scale, rows)
-        return rows
-
-    @staticmethod
-    def backward(ctx, g_rows: Tensor):
-        delta, mu, scale, rows = ctx.saved_tensors
-        g_mu, g_scale = gaussian_rows_grad(rows, delta - mu, scale, g_rows)
-        return None, g_mu.sum_to_size(mu.shape), g_scale.sum_to_size(scale.shape)
-
-
-def token_axis_kernels(length: int, query: Tensor, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
-    """Per-token kernel rows along one axis (steered SSoG): ``K[..., j] = softmax_j(-(j - q - mu)^2 / (2 s^2 tau))``.
-
-    Args:
-        length: axis length ``L``.
-        query: the query index ``q`` along the axis (an integer tensor), broadcastable to ``mu``'s shape.
-        mu, sigma: per-token geometry, shape ``S``.
-        tau: temperature, broadcastable to ``S``.
-
-    Returns:
-        Kernel rows of shape ``S + (L,)`` in ``position_dtype(mu.dtype)``.
-    """
-    dtype = position_dtype(mu.dtype)
-    delta = torch.arange(length, device=mu.device) - torch.as_tensor(query, device=mu.device)[..., None]  # j - q
-    scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
-    return gaussian_rows(delta.to(dtype), mu.to(dtype)[..., None], scale[..., None])
-
-
-def steered_geometry(
-    mu: Tensor,
-    sigma: Tensor,
-    ell: Tensor,
-    residuals: Mapping[str, Tensor],
-    gates: Mapping[str, Tensor],
-    *,
-    radius: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token geometry of steered SSoG (docs/operator.md, "Steering geometry"):
-    ``mu_n = mu + s_mu M tanh(a_mu)``, ``sigma_n = sigma exp(s_sigma tanh(a_sigma))``,
-    ``lambda_n = softmax(ell + s_lambda tanh(a_lambda))`` for token ``n``; a path without a residual keeps the fixed field.
-
-    Args:
-        mu: fixed centres ``(H, R, 2)``, or already broadcast to ``(B, N, H, R, 2)``.
-        sigma: fixed widths, same shape as ``mu``.
-        ell: mixture logits ``(H, R)``, or ``(B, N, H, R)``.
-        residuals: the raw outputs ``a`` of the steering maps by path (``"mu"``, ``"sigma"``, ``"lambda"``), shaped
-            ``(B, N, H, R, 2)`` for centres and widths, ``(B, N, H, R)`` for the mixture.
-        gates: the gate values ``s`` by path (scalars).
-        radius: the steering radius ``M`` in grid cells.
-
-    Returns:
-        ``mu (B, N, H, R, 2)``, ``sigma (B, N, H, R, 2)``, ``lambda (B, N, H, R)`` where every path is steered (else
-        the fixed field's shape, broadcastable to them).
-    """
-    if "mu" in residuals:
-        mu = mu + gates["mu"] * radius * torch.tanh(residuals["mu"])
-    if "sigma" in residuals:
-        sigma = sigma * torch.exp(gates["sigma"] * torch.tanh(residuals["sigma"]))
-    if "lambda" in residuals:
-        ell = ell + gates["lambda"] * torch.tanh(residuals["lambda"])
-    # the softmax over the R atoms is taken across the second-to-last axis of a transposed view: the same function
-    # (equal to rounding), and on the CPU 3x to 5x faster than across a last axis this short (docs/benchmarks.md,
-    # "Steered SSoG against fused attention")
-    return mu, sigma, torch.softmax(ell.transpose(-1, -2), dim=-2).transpose(-1, -2)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Dispatch (docs/operator.md, "Backends")
+def backend_for(kind: str, impl: str, values: Tensor, *operands: Tensor) -> str:
+    """The implementation that mixes ``values`` with ``operands`` (``kind`` is ``"fixed"``, operands ``ky, kx, lam``;
+    or ``"steered"``, operands the geometry's inputs): ``impl`` itself when asked for by name (a ``RuntimeError``
+    with the reason where it cannot), else the first of ``AUTO_ORDER`` whose probe takes it. Under tracing and
+    export (``core.functional_only``) ``"auto"`` and ``"stacked"`` are ``"einsum"``: no writes into buffers there."""
+    if impl not in SSOG_IMPLS:
+        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+    if impl == "einsum" or (impl in ("auto", "stacked") and functional_only()):
+        return "einsum"
+    if impl != "auto":
+        reason = _BACKENDS[impl].unsupported(kind, values, *operands, auto=False)
+        if reason is not None:
+            raise RuntimeError(reason)
+        return impl
+    return next(name for name in AUTO_ORDER if _BACKENDS[name].unsupported(kind, values, *operands, auto=True) is None)
 
 
 def _check_inplace(name: str, inplace: bool, grad_needed: bool) -> None:
@@ -256,6 +76,14 @@ def _check_inplace(name: str, inplace: bool, grad_needed: bool) -> None:
         raise ValueError(f"{name}(inplace=True) overwrites the values, which autograd needs: use it without grad")
     if inplace and functional_only():
         raise ValueError(f"{name}(inplace=True) cannot be traced or exported: the graph would lose the aliasing")
+
+
+def _grad_needed(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixed mixing
 
 
 def ssog_mix(
@@ -280,26 +108,18 @@ def ssog_mix(
         ky: y-axis kernels ``(H, R, Gh, Gh)``.
         kx: x-axis kernels ``(H, R, Gw, Gw)``.
         lam: mixture weights ``(H, R)``.
-        impl: ``"stacked"`` (atoms stacked inside one matmul per pass and head, lambda folded into the y-kernels,
-            a custom autograd function that saves only the values and recomputes the rest: the default),
-            ``"loop"`` (one atom at a time, head-major layout), ``"einsum"`` (plain, the benchmarks' baseline),
-            ``"triton"`` (fused kernel, CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (``"triton"`` on
-            CUDA tensors in float16 or bfloat16, and in float32 where TF32 is on, when Triton imports, the kernel
-            passed its probe on the device and its tiles fit; on the CPU without autograd, float32 or float64, the
-            C kernel of ``backends.cpu`` where it is available; ``"stacked"`` otherwise).
-        inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them).
-            ``"stacked"`` then writes its result into ``values``' buffer, one activation-sized buffer less: each
-            head's values are read for the last time before its result is written. The other implementations
-            ignore it.
-        head_chunk: heads mixed together by ``"stacked"`` (one batched matmul per pass for the chunk instead of one
-            per head). ``None`` picks by size: chunks of ``H // (R + 2)`` heads (their temporaries stay within one
-            activation) where ``B * N`` is small enough that per-head matmuls are too small to use both cores, one
-            head at a time otherwise.
+        impl: one of ``SSOG_IMPLS``; ``"auto"``: ``"triton"`` on CUDA tensors in float16 or bfloat16, and in float32
+            where TF32 is on, when Triton imports, the kernel passed its probe on the device and its tiles fit;
+            ``"cpu"`` on CPU float32 and float64 tensors where the C kernel is available; ``"stacked"`` otherwise.
+        inplace: let the mixing overwrite ``values`` (inference only: an error if autograd would need them), one
+            activation-sized buffer less (``"triton"`` and ``"einsum"`` ignore it).
+        head_chunk: heads mixed together by ``"stacked"``'s forward (one batched matmul per pass for the chunk instead
+            of one per head). ``None`` picks by size (``backends.torch.default_mix_head_chunk``).
 
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
-    grad_needed = torch.is_grad_enabled() and any(t.requires_grad for t in (values, ky, kx, lam))
+    grad_needed = _grad_needed(values, ky, kx, lam)
     _check_inplace("ssog_mix", inplace, grad_needed)
     grid = check_grid(values.shape[1], grid)[:2]
     h, r = lam.shape if lam.ndim == 2 else (0, 0)  # no heads: refused below
@@ -307,18 +127,58 @@ def ssog_mix(
         raise ValueError(f"expected ky (H, R, Gh, Gh), kx (H, R, Gw, Gw) and lam (H, R) for the grid {grid} with H "
                          f"dividing the values' width {values.shape[-1]}, got {tuple(ky.shape)}, {tuple(kx.shape)} "
                          f"and {tuple(lam.shape)}")
-    if impl not in SSOG_IMPLS:
-        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
-    if impl in ("auto", "stacked") and functional_only():
-        impl = "einsum"  # no writes into a preallocated output (see functional_only)
-    if impl == "triton" or (
-        impl == "auto" and values.is_cuda and triton_backend.auto_picks_triton(values, grid, lam.shape[1])
-    ):
-        return triton_backend.ssog_mix_triton(values, grid, ky, kx, lam)  # imports Triton on first use only
-    return torch_backend.mix_fixed(
-        values, grid, ky, kx, lam, impl=impl, inplace=inplace, head_chunk=head_chunk, grad_needed=grad_needed,
-        rows=gaussian_rows,
-    )
+    name = backend_for("fixed", impl, values, ky, kx, lam)
+    if name == "einsum":
+        return core.mix_fixed(values, grid, ky, kx, lam)
+    if grad_needed:
+        return _FixedMix.apply(values, ky, kx, lam, grid, name, head_chunk)
+    return _BACKENDS[name].fixed_forward(values, grid, ky, kx, lam, inplace=inplace, head_chunk=head_chunk)
+
+
+class _FixedMix(torch.autograd.Function):
+    """The fixed mixing by a backend, with its backward: saves the values and the tables only (the backends recompute
+    the x-pass)."""
+
+    @staticmethod
+    def forward(ctx, values, ky, kx, lam, grid, impl, head_chunk):
+        ctx.save_for_backward(values, ky, kx, lam)
+        ctx.grid, ctx.impl = grid, impl
+        return _BACKENDS[impl].fixed_forward(values, grid, ky, kx, lam, head_chunk=head_chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, ky, kx, lam = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
+            grads = _graph_grads(lambda *a: core.mix_fixed(a[0], ctx.grid, *a[1:]), (values, ky, kx, lam), grad)
+        else:
+            grads = _BACKENDS[ctx.impl].fixed_backward(grad, values, ctx.grid, ky, kx, lam)
+        return *grads, None, None, None
+
+
+def _graph_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor) -> list[Tensor | None]:
+    """The gradients of ``fn(*inputs)`` for ``grad``, as a graph (the saved inputs carry the outer graph)."""
+    with torch.enable_grad():
+        live = [t for t in inputs if t.requires_grad]
+        found = iter(torch.autograd.grad(fn(*inputs), live, grad, create_graph=True, allow_unused=True))
+    return [next(found) if t.requires_grad else None for t in inputs]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steered mixing
+
+
+def _tau_per_head(tau: Tensor) -> Tensor:
+    return tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or (H,), against (B, N, H, R, 2)
+
+
+def _given_geometry(mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return mu, kernel_scale(sigma, _tau_per_head(tau)), lam
+
+
+def _token_geometry(tokens: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, tau: Tensor, *steering: Tensor,
+                    steer: tuple[str, ...], radius: float) -> tuple[Tensor, Tensor, Tensor]:
+    mu, sigma, lam = token_geometry(tokens, mu, sigma, ell, *steering, steer=steer, radius=radius)
+    return mu, kernel_scale(sigma, _tau_per_head(tau)), lam
 
 
 def ssog_mix_steered(
@@ -329,6 +189,7 @@ def ssog_mix_steered(
     lam: Tensor,
     tau: Tensor,
     *,
+    impl: str = "auto",
     head_chunk: int | None = None,
     inplace: bool = False,
 ) -> Tensor:
@@ -344,55 +205,111 @@ def ssog_mix_steered(
         sigma: per-token widths ``(B, N, H, R, 2)``.
         lam: per-token mixture weights ``(B, N, H, R)``.
         tau: temperature, a scalar tensor or ``(H,)``.
-        head_chunk: heads processed together; bounds the per-token kernel tables to
+        impl: one of ``SSOG_IMPLS`` but ``"triton"``; ``"auto"``: ``"cpu"`` on CPU float32 and float64 tensors where the
+            C kernel is available, ``"stacked"`` otherwise.
+        head_chunk: heads processed together by ``"stacked"``; bounds the per-token kernel tables to
             ``B * N * head_chunk * R * (Gh + Gw)`` entries. ``None`` = all heads at once.
         inplace: write the result over ``values`` and return it (inference only: an error if autograd would need
-            ``values``); each chunk's values are read for the last time before its result is written.
+            ``values``).
 
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
-    return ssog_mix_steered_from(values, grid, _given, (mu, sigma, lam, tau), head_chunk=head_chunk, inplace=inplace)
+    _check_geometry(values, grid, mu, sigma, lam)
+    return _steered(values, grid, _given_geometry, (mu, sigma, lam, tau), impl, head_chunk, inplace)
 
 
-def _given(*geometry: Tensor) -> tuple[Tensor, ...]:
-    return geometry
-
-
-def ssog_mix_steered_from(
+def ssog_mix_steered_by_tokens(
     values: Tensor,
     grid: tuple[int, int],
-    geometry: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]],
-    inputs: tuple[Tensor, ...],
-    *,
+    tokens: Tensor,
+    mu: Tensor,
+    sigma: Tensor,
+    ell: Tensor,
+    tau: Tensor,
+    *steering: Tensor,
+    steer: tuple[str, ...],
+    radius: float,
+    impl: str = "auto",
     head_chunk: int | None = None,
     inplace: bool = False,
 ) -> Tensor:
-    """``ssog_mix_steered`` of the geometry ``geometry(*inputs) -> (mu, sigma, lam, tau)`` (shapes as there), which
-    with autograd is not kept for backward but recomputed there from ``inputs``: a training step then keeps the
-    values and ``inputs`` only (``SSoGAttention`` passes its normalised tokens, which its value projection keeps
-    anyway, and the field's parameters). ``geometry`` must be a pure differentiable function of ``inputs``.
-    """
-    _check_inplace("ssog_mix_steered", inplace, torch.is_grad_enabled() and values.requires_grad)
+    """``ssog_mix_steered`` of the geometry the patch tokens predict (``core.token_geometry``; arguments as there),
+    which with autograd is not kept for backward but recomputed there: a training step keeps the values and the
+    inputs of the geometry only (``SSoGAttention`` passes its normalised tokens, which its value projection keeps
+    anyway, and its parameters)."""
+    check_grid(values.shape[1], grid)
+    if tokens.shape[:2] != (values.shape[0], grid[0] * grid[1]):
+        raise ValueError(f"tokens must be the patch tokens (B, N, D) = ({values.shape[0]}, {grid[0] * grid[1]}, D), "
+                         f"got {tuple(tokens.shape)}")
+    geometry = functools.partial(_token_geometry, steer=tuple(steer), radius=float(radius))
+    return _steered(values, grid, geometry, (tokens, mu, sigma, ell, tau, *steering), impl, head_chunk, inplace)
+
+
+def _check_geometry(values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor) -> None:
+    gh, gw, _ = check_grid(values.shape[1], grid)
+    expected = (values.shape[0], gh * gw)
+    for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
+        if tuple(t.shape[:2]) != expected:
+            raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., "
+                             f"got {tuple(t.shape)}")
+    if mu.ndim != 5 or mu.shape[-1] != 2 or sigma.shape != mu.shape or lam.shape != mu.shape[:-1]:
+        raise ValueError(f"expected mu and sigma of shape (B, N, H, R, 2) and lam of shape (B, N, H, R), got "
+                         f"{tuple(mu.shape)}, {tuple(sigma.shape)} and {tuple(lam.shape)}")
+    if values.shape[-1] % mu.shape[2]:
+        raise ValueError(f"the values' width {values.shape[-1]} is not divisible by the geometry's {mu.shape[2]} heads")
+
+
+def _steered(values: Tensor, grid: tuple[int, int], geometry, inputs: tuple[Tensor, ...], impl: str,
+             head_chunk: int | None, inplace: bool) -> Tensor:
+    grad_needed = _grad_needed(values, *inputs)
+    _check_inplace("ssog_mix_steered", inplace, grad_needed)
     grid = check_grid(values.shape[1], grid)[:2]
-    # ``scaled`` is kept by the autograd graph until it is freed: it must not hold ``values`` (which backward frees as it
-    # goes), only their sizes
-    expected, width = (values.shape[0], grid[0] * grid[1]), values.shape[-1]
+    name = backend_for("steered", impl, values, *inputs)
+    if name == "einsum":
+        return core.mix_steered(values, grid, *geometry(*inputs))
+    if grad_needed:
+        return _SteeredMix.apply(values, grid, name, head_chunk, geometry, *inputs)
+    return _BACKENDS[name].steered_forward(values, grid, *geometry(*inputs), inplace=inplace, head_chunk=head_chunk)
 
-    def scaled(*args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        mu, sigma, lam, tau = geometry(*args)
-        for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
-            if tuple(t.shape[:2]) != expected:
-                raise ValueError(f"{name} must have one row per patch token, shape (B, N, ...) = {expected} + ..., "
-                                 f"got {tuple(t.shape)}")
-        if mu.ndim != 5 or mu.shape[-1] != 2 or sigma.shape != mu.shape or lam.shape != mu.shape[:-1]:
-            raise ValueError(f"expected mu and sigma of shape (B, N, H, R, 2) and lam of shape (B, N, H, R), got "
-                             f"{tuple(mu.shape)}, {tuple(sigma.shape)} and {tuple(lam.shape)}")
-        if width % mu.shape[2]:
-            raise ValueError(f"the values' width {width} is not divisible by the geometry's {mu.shape[2]} heads")
-        tau = tau.reshape(-1).view(1, 1, -1, 1, 1)  # scalar or per head, against (B, N, H, R, 2)
-        return mu, kernel_scale(sigma, tau), lam
 
-    return torch_backend.mix_steered(
-        values, grid, scaled, tuple(inputs), head_chunk=head_chunk, inplace=inplace, rows=gaussian_rows
-    )
+class _SteeredMix(torch.autograd.Function):
+    """The steered mixing by a backend, keeping for backward only the values and what the geometry is a function of
+    (``geometry(*inputs) -> (mu, scale, lam)``, a pure function of ``ssogvit.core``): backward recomputes the geometry
+    under the forward's autocast and differentiates it with ``torch.func.vjp``."""
+
+    @staticmethod
+    def forward(ctx, values, grid, impl, head_chunk, geometry, *inputs):
+        ctx.save_for_backward(values, *inputs)
+        ctx.args = (grid, impl, head_chunk, geometry)
+        ctx.autocast = _autocast_state()  # the recomputed geometry must be the one the forward used
+        return _BACKENDS[impl].steered_forward(values, grid, *geometry(*inputs), head_chunk=head_chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, *inputs = ctx.saved_tensors
+        grid, impl, head_chunk, geometry = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
+            with _autocast(ctx.autocast):
+                grads = _graph_grads(lambda v, *a: core.mix_steered(v, grid, *geometry(*a)), (values, *inputs), grad)
+        else:
+            with _autocast(ctx.autocast):
+                geo, geometry_vjp = torch.func.vjp(geometry, *inputs)
+            g_values, *g_geo = _BACKENDS[impl].steered_backward(grad, values, grid, *geo, head_chunk=head_chunk)
+            del geo
+            grads = [g_values, *geometry_vjp(tuple(g_geo))]
+        return grads[0], None, None, None, None, *grads[1:]
+
+
+def _autocast_state() -> tuple[bool, torch.dtype, bool, torch.dtype]:
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"))
+
+
+@contextmanager
+def _autocast(state: tuple[bool, torch.dtype, bool, torch.dtype]):
+    """Autocast as it was in the forward (backward runs outside the caller's ``torch.autocast`` block)."""
+    cpu_on, cpu_dtype, cuda_on, cuda_dtype = state
+    with torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_on), torch.autocast("cuda", dtype=cuda_dtype,
+                                                                                 enabled=cuda_on):
+        yield

@@ -33,6 +33,19 @@ def mixer_rows(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"block {i}", m) for i, m in enumerate(mixers)]
 
 
+def untrained_field_mixers(model: nn.Module) -> set[int]:
+    """Indices (in `model.mixers()`) of SSoG mixers whose field no loss on the logits can train: in a discrete model
+    with a class-token head, the last block's (its patch outputs are never read; docs/models.md, "A structural fact of
+    SSoG with a class-token head"). Empty for looped and ODE models and for `global_pool="avg"`."""
+    mixers = list(model.mixers())
+    if getattr(model, "family", "vit") != "vit" or getattr(model, "global_pool", "token") != "token" or not mixers:
+        return set()
+    return {len(mixers) - 1} if is_ssog(mixers[-1]) else set()
+
+
+UNTRAINED_NOTE = "field untrained (class-token head)"
+
+
 @contextmanager
 def capture_mixer_inputs(model: nn.Module) -> Iterator[list[list[tuple[torch.Tensor, tuple[int, int]]]]]:
     """Record `(x, grid)` of every call of every mixer while the context is open: `records[i]` for mixer `i`."""

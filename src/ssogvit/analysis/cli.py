@@ -250,13 +250,13 @@ def run_transfer(models, cfg, args, out: Path) -> dict:
                          f"the transfer images of {size} px", "--img-sizes")
         tables[label] = transfer_table(m, images_at, patch_sizes=args.patch_sizes, img_sizes=sizes)
     rows = [(label, r["kind"], r["patch"], r["img_size"], f"{r['grid'][0]}x{r['grid'][1]}",
-             "yes" if r["rescale"] else "no", r["top1"]) for label, t in tables.items() for r in t]
-    md = ("## Transfer without retraining (paper Table 13)\n\n"
-          + markdown_table(["model", "change", "patch", "image", "grid", "μ, σ rescaled", "top-1"], rows))
+             "yes" if r["rescale"] else "no", f"{100 * r['top1']:.2f}") for label, t in tables.items() for r in t]
+    md = ("## Transfer without retraining (paper Table 13)\n\n"  # percent, as every other accuracy printed
+          + markdown_table(["model", "change", "patch", "image", "grid", "μ, σ rescaled", "top-1 (%)"], rows))
     files = _write(out, "transfer", tables, md, plot_transfer(tables, out / "transfer.png"))
     for label, t in tables.items():
         print(f"transfer  {label}: " + "; ".join(
-            f"p{r['patch']}/{r['img_size']}px{' resc' if r['rescale'] else ''} {r['top1']:.3f}" for r in t))
+            f"p{r['patch']}/{r['img_size']}px{' resc' if r['rescale'] else ''} {100 * r['top1']:.2f}%" for r in t))
     return {"tables": tables, "files": files}
 
 

@@ -14,7 +14,7 @@ from ssogvit import results
 from ssogvit.layers import is_ssog
 from ssogvit.models.maps import record_attention
 
-from ._common import mixer_rows
+from ._common import UNTRAINED_NOTE, mixer_rows, untrained_field_mixers
 from .atoms import effective_atoms
 
 
@@ -44,7 +44,9 @@ def plot_fields(model: nn.Module, path: str | Path, *, title: str | None = None)
     from matplotlib.patches import Ellipse, Rectangle
 
     plt = results.pyplot()
-    rows = [(name, m) for name, m in mixer_rows(model) if is_ssog(m)]
+    untrained = untrained_field_mixers(model)
+    rows = [(f"{name}\n{UNTRAINED_NOTE}" if i in untrained else name, m)
+            for i, (name, m) in enumerate(mixer_rows(model)) if is_ssog(m)]
     if not rows:
         return None
     geoms = [atom_geometry(m) for _, m in rows]
@@ -134,6 +136,9 @@ def plot_query_fields(
 
     plt = results.pyplot()
     fields = {label: query_field_maps(m, image, query) for label, m in models.items()}
+    # a discrete model applies its mixers in order, so the untrained last mixer is the last application
+    untrained = {label: {len(fields[label][0]) - 1} if untrained_field_mixers(m) else set()
+                 for label, m in models.items()}
     cols = max(len(_pick(len(f[0]), max_columns)) for f in fields.values())
     vmax = max(float(maps[i].max()) for maps, _ in fields.values() for i in _pick(len(maps), max_columns))
     drawn = None
@@ -160,10 +165,13 @@ def plot_query_fields(
             drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0),
                               interpolation="nearest", vmin=0.0, vmax=vmax)
             ax.add_patch(Rectangle((qx * p, qy * p), p, p, fill=False, edgecolor="cyan", lw=1.2))
-            ax.set_title(f"{label}, application {picks[c]}\n3x3 mass {local:.2f}, peak {field.max().item():.2f}",
+            note = f"\n{UNTRAINED_NOTE}" if picks[c] in untrained.get(label, ()) else ""
+            ax.set_title(f"{label}, application {picks[c]}\n3x3 mass {local:.2f}, peak {field.max().item():.2f}{note}",
                          fontsize=7)
     if drawn is not None:
-        bar = fig.colorbar(drawn, ax=axes, shrink=0.6, label="attention weight (heads averaged), one scale")
+        bar = fig.colorbar(drawn, ax=axes, shrink=0.8, aspect=30)
+        bar.set_label("attention weight\n(heads averaged; one scale)", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
         bar.solids.set_alpha(1.0)
     fig.suptitle(f"attention of query cell (y={qy}, x={qx}) (cyan) over the patches, heads averaged", fontsize=9)
     return results.save_figure(fig, path), summary

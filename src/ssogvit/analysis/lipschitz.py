@@ -237,6 +237,29 @@ def lipschitz_report(
 _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _log_axis(axis) -> None:
+    """Make `axis` logarithmic with labelled ticks at 1, 2, 3, 5 times each power of ten inside its range (more
+    inside a single decade, thinned to 1, 2, 5 when there are many), written as plain numbers: a range inside one
+    decade would otherwise carry one or two labels. Call it after plotting (it reads the axis's range)."""
+    import math
+
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, StrMethodFormatter
+
+    ax = axis.axes
+    ax.set_xscale("log") if axis.axis_name == "x" else ax.set_yscale("log")
+    low, high = ax.get_xlim() if axis.axis_name == "x" else ax.get_ylim()
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    ticks = [m * 10.0 ** k for k in decades for m in (1, 2, 3, 5) if low <= m * 10.0 ** k <= high]
+    if len(ticks) < 4:  # a range inside one decade: label 4, 6, 8 too
+        ticks = [m * 10.0 ** k for k in decades for m in (1, 1.5, 2, 3, 4, 5, 6, 8) if low <= m * 10.0 ** k <= high]
+    if len(ticks) > 8:
+        ticks = [t for t in ticks if round(t / 10 ** math.floor(math.log10(t)), 6) in (1, 2, 5)]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axis.set_minor_locator(NullLocator())
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_lipschitz(reports: dict[str, dict], path) -> object:
     """Bound and estimate per fixed-SSoG mixer (left); local constant against the ball radius for steered mixers."""
     has_fixed = any(r["fixed"] for r in reports.values())
@@ -245,7 +268,8 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         return None
     plt = results.pyplot()
     panels = int(has_fixed) + int(has_steered)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 2.6 * has_steered + 2.2 * has_fixed, 3.6),
+                             squeeze=False)
     axes = list(axes[0])
     if has_fixed:
         ax = axes.pop(0)
@@ -258,10 +282,10 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_yscale("log")
+        _log_axis(ax.yaxis)
         ax.set_xlabel("fixed-SSoG mixer")
         ax.set_ylabel("Lipschitz constant")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no point
         ax.set_title("fixed SSoG: the estimate stays below the bound", fontsize=9)
     if has_steered:
         ax = axes.pop(0)
@@ -274,8 +298,8 @@ def plot_lipschitz(reports: dict[str, dict], path) -> object:
                         label=f"{label}: local ||J||, {row['layer']}")
                 ax.plot([r["radius"] for r in g], [r["frozen_bound_max"] for r in g], f"{marker}:", ms=3, **style,
                         label=f"{label}: frozen-geometry bound, {row['layer']}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_axis(ax.xaxis)
+        _log_axis(ax.yaxis)
         ax.set_xlabel("token norm r (ball radius)")
         ax.set_ylabel("largest ||J(x)||₂ found, ||x_t|| = r")
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panel: hides no line

@@ -160,31 +160,59 @@ def sink_report(model, images: Tensor, *, batch_size: int = 32) -> dict:
         with record_attention(model) as maps:
             tokens = model.forward_features(images[i: i + batch_size], pre_norm=True)
         batches.append(per_image_sink_stats(maps, tokens, int(model.num_prefix_tokens)))
-    return summarize_sink_stats(concat_sink_stats(batches))
+    return {**summarize_sink_stats(concat_sink_stats(batches)), "by_construction": constant_by_construction(model)}
+
+
+def constant_by_construction(model) -> dict[str, str]:
+    """The per-layer sink metrics that `model`'s mixers fix whatever the images (metric -> why), for the figure.
+
+    With SSoG in every block, patches never attend to prefix tokens, so the CLS mass is 0; with fixed SSoG the field
+    does not depend on the image, so every image's most-attended key is the same and the same-key share is 1
+    (docs/operator.md, docs/analysis.md).
+    """
+    from ssogvit.layers import is_ssog
+
+    mixers = list(model.mixers())
+    if not mixers or not all(is_ssog(m) for m in mixers):
+        return {}
+    out = {"cls_mass_per_layer": "0 by construction: patches never attend to prefix tokens"}
+    if not any(getattr(m, "steer", ()) for m in mixers):
+        out["same_key_per_layer"] = "1 by construction: the fixed field does not depend on the image"
+    return out
 
 
 def plot_sinks(summaries: dict[str, dict], path) -> object:
     """Sink score, same-key share and CLS mass per mixer application, one line per model.
 
-    Models often coincide (every SSoG model has same-key share 1 and CLS mass 0), so the first model is a thick,
-    light line with small filled markers and each later one a thin line with larger hollow markers drawn on top: a
-    line never hides another.
+    A metric that a model's architecture fixes (`by_construction` of `sink_report`: SSoG's CLS mass 0, fixed SSoG's
+    same-key share 1) is not drawn for it: the panel says so in the model's colour. Models that coincide otherwise
+    stay visible: the first model is a thick, light line with small filled markers and each later one a thin line
+    with larger hollow markers drawn on top.
     """
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0))
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1)))]
+    notes: dict = {}  # panel -> [(colour, text)] for the metrics constant by construction
     for k, (label, s) in enumerate(summaries.items()):
         marker, line = styles[k % len(styles)]
         look = (dict(lw=4.0, alpha=0.45, ms=4) if k == 0 else
                 dict(lw=1.4, ms=6 + 2 * k, mfc="none", mew=1.4))
         for ax, key in zip(axes, ("sink_per_layer", "same_key_per_layer", "cls_mass_per_layer")):
+            why = s.get("by_construction", {}).get(key)
+            if why:  # a constant the architecture fixes is stated on the panel, not drawn as if it were measured
+                notes.setdefault(ax, []).append((f"C{k}", f"{label}: {why}"))
+                continue
             ax.plot(range(len(s[key])), s[key], marker=marker, ls=line, color=f"C{k}", zorder=2 + k, label=label,
                     **look)
     axes[0].axhline(1.0, color="0.6", lw=0.8, ls="--")
     for ax, title in zip(axes, ("sink score (1 = no sink)", "same-key share", "CLS mass from patch queries")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("mixer application")
-        ax.legend(fontsize=7)
+        for i, (color, text) in enumerate(notes.get(ax, [])):  # below the panel, clear of its lines
+            ax.text(0.0, -0.24 - 0.075 * i, text, transform=ax.transAxes, fontsize=6.5, color=color, va="top",
+                    wrap=True)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
     from matplotlib.ticker import MaxNLocator
 
     for ax in axes:

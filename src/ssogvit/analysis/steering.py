@@ -95,7 +95,8 @@ def plot_steering(stats: dict, path: str | Path, *, title: str = "") -> Path | N
     ax_m.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_m.set_xlabel("mixer application")
     ax_m.set_ylabel("grid cells")
-    ax_m.set_yscale("symlog", linthresh=1e-3)
+    ax_m.set_ylim(bottom=0)  # shifts of thousandths of a cell and an untrained block's 0 on one linear axis
+    ax_m.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     ax_m.legend(fontsize=7)
     ax_m.set_title("how far steering moves the atom centres", fontsize=9)
     fig.suptitle(title, fontsize=9)

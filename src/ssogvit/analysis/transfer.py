@@ -94,8 +94,10 @@ def transfer_table(
 
 def plot_transfer(tables: dict[str, list[dict]], path) -> object:
     """Top-1 against patch size (left) and image size (right), one line per model and rescaling choice."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 3.6))
     for ax, kind, key, xlabel in ((axes[0], "patch", "patch", "patch size (px)"),
                                   (axes[1], "image", "img_size", "image size (px)")):
         for k, (label, rows) in enumerate(tables.items()):
@@ -105,12 +107,13 @@ def plot_transfer(tables: dict[str, list[dict]], path) -> object:
                              if r is trained or (r["kind"] == kind and r["rescale"] == rescale))
                 if rescale and len(pts) < 2:
                     continue
-                ax.plot([v for v, _ in pts], [a for _, a in pts], ls, marker="o", color=f"C{k}",
+                ax.plot([v for v, _ in pts], [100 * a for _, a in pts], ls, marker="o", color=f"C{k}",
                         label=f"{label}{' (μ, σ rescaled)' if rescale else ''}")
             ax.axvline(trained[key], color="0.7", lw=0.8)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("top-1")
-        ax.legend(fontsize=7)
+        ax.set_ylabel("top-1 (%)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # patch and image sizes are whole pixels
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the panels: hides no line
     axes[0].set_title("other patch sizes, training image size (grey: trained)", fontsize=9)
     axes[1].set_title("other image sizes, training patch size", fontsize=9)
     fig.tight_layout()

@@ -1,17 +1,19 @@
-"""SSoG on the CPU by a small C kernel (docs/operator.md, "Backends"): the whole mixing where no autograd runs through
-it (inference, a training step's forward; fixed and steered), the steered backward (without a second derivative),
-and the kernel tables where the torch path's matmuls need them (layouts the mixing cannot read).
+"""The C backend (``impl="cpu"``): SSoG's fixed and steered mixing, forward and backward, by a small C kernel
+registered as PyTorch ops (docs/operator.md, "Backends").
 
-Built with PyTorch operations, each table entry takes five passes (subtract, square, scale, softmax, flush) and costs
-more than the 64 multiply-adds it then feeds, and a ViT-B layer at 224 px issues a dozen calls per head;
-``_cpu_steered.c`` builds a row of queries' kernel rows in cache with a vectorised ``exp`` and mixes one (image, head)
-at a time, both passes in register tiles, in one call per layer. It is compiled on first use with the system's C
-compiler (``$CC``, else ``cc``; about a quarter of a second), cached under ``$SSOGVIT_CACHE`` (default
-``~/.cache/ssogvit``) by a hash of its source, flags and compiler, and loaded with ``ctypes``; the work is split between
-OpenMP threads (PyTorch's own libgomp, so ``torch.set_num_threads`` applies). The first use in a process also checks
-its tables against the torch path and its mixing against the dense reference on small problems. Where there is no
-compiler, or the build or that check fails, one ``RuntimeWarning`` says so and the torch path is used: slower, the
-same result. ``SSOGVIT_CPU_KERNEL=0`` turns it off. Float32 and float64 CPU tensors only.
+Built with PyTorch operations, each steered table entry takes five passes (subtract, square, scale, softmax, flush)
+and costs more than the 64 multiply-adds it then feeds, and a ViT-B layer at 224 px issues a dozen calls per head;
+``_cpu_kernels.c`` builds a row of queries' kernel rows in cache with a vectorised ``exp`` and mixes one (image,
+head) at a time, both passes in register tiles, in one call per layer. It is compiled on first use with the system's
+C compiler (``$CC``, else ``cc``; about a quarter of a second), cached under ``$SSOGVIT_CACHE`` (default
+``~/.cache/ssogvit``) by a hash of its source, flags and compiler, and loaded with ``ctypes``; the work is split
+between OpenMP threads (PyTorch's own libgomp, so ``torch.set_num_threads`` applies). The first use in a process also
+checks its mixing and its backwards against the dense reference on small problems. Where there is no compiler, or
+the build or that check fails, one ``RuntimeWarning`` says so and ``impl="auto"`` takes the torch backend: slower,
+the same result. ``SSOGVIT_CPU_KERNEL=0`` turns it off. Float32 and float64 CPU tensors only.
+
+The entry points are ops of the ``ssogvit`` namespace (``torch.ops.ssogvit.cpu_fixed_mix`` and the rest, each with a
+fake implementation and the forward ones with their autograd), so ``torch.compile`` keeps them in its graph.
 """
 
 from __future__ import annotations
@@ -25,29 +27,32 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .. import reference as dense
-from ._common import flush_tiny_product, grid_offsets
+from ssogvit import core
+from ssogvit import reference as dense
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_mix", "mixes", "steered_mix", "steered_mix_grad", "steered_rows"]
+from ._common import add_prefix_grad, write_prefix_pool
 
-#: Environment variable: ``0`` keeps the steered tables on the torch path.
+__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_backward", "fixed_forward", "steered_backward",
+           "steered_forward", "unsupported"]
+
+#: Environment variable: ``0`` keeps SSoG off the C kernel.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
-_SOURCE = Path(__file__).with_name("_cpu_steered.c")
+_SOURCE = Path(__file__).with_name("_cpu_kernels.c")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _switch: list[bool] = []  # set by ``enabled``
 
 
 @contextmanager
 def enabled(flag: bool):
-    """Use the C kernel (``True``) or the torch path (``False``) inside the block, whatever ``SSOGVIT_CPU_KERNEL``
-    says (tests compare the two)."""
+    """Let ``impl="auto"`` use the C kernel (``True``) or not (``False``) inside the block, whatever
+    ``SSOGVIT_CPU_KERNEL`` says (tests compare the two). Code compiled by ``torch.compile`` keeps the choice it was
+    compiled with."""
     _switch.append(bool(flag))
     try:
         yield
@@ -62,10 +67,11 @@ def _wanted() -> bool:
 def _flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     isa = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512dq", "-mfma"]}.get(capability, [])
-    # -ffast-math lets gcc call glibc's vector exp; it is given when compiling only: linking a shared library with it
-    # would add crtfastmath.o, which switches the whole process to flushing denormals. -fopenmp links libgomp.so.1,
-    # which the loader resolves to the copy PyTorch has already loaded: one thread pool, sized by torch.
-    return ["-O3", "-ffast-math", "-fPIC", "-fopenmp", *isa]
+    # -ffast-math lets gcc call glibc's vector exp; -fno-finite-math-only keeps NaN and infinities IEEE (comparisons
+    # with a NaN false, 0 * inf a NaN), as in the torch path. Both are given when compiling only: linking a shared
+    # library with -ffast-math would add crtfastmath.o, which switches the whole process to flushing denormals.
+    # -fopenmp links libgomp.so.1, which the loader resolves to the copy PyTorch has already loaded: one thread pool.
+    return ["-O3", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-fopenmp", *isa]
 
 
 @functools.cache
@@ -74,8 +80,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         return _build_or_load()
     except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's tables is not available ({err}); using the torch "
-                      f"path, which gives the same result more slowly", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ssogvit: the CPU kernel for SSoG is not available ({err}); using the torch path, which gives "
+                      f"the same result more slowly", RuntimeWarning, stacklevel=3)
         return None
 
 
@@ -89,11 +95,11 @@ def _build_or_load() -> ctypes.CDLL:
                                      platform.machine().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("SSOGVIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                  / "ssogvit")
-    lib = cache / f"cpu_steered-{key}.so"
+    lib = cache / f"cpu_kernels-{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            obj, out = Path(tmp) / "rows.o", Path(tmp) / "rows.so"
+            obj, out = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
             for cmd in ([cc, *_flags(), "-c", str(_SOURCE), "-o", str(obj)],
                         [cc, "-shared", "-fopenmp", str(obj), "-o", str(out), "-lm"]):
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -101,230 +107,300 @@ def _build_or_load() -> ctypes.CDLL:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
             os.replace(out, lib)  # atomic: another process sees the old state or the whole library
     handle = ctypes.CDLL(str(lib))
-    for suffix in _SUFFIX.values():
-        rows, mix = getattr(handle, f"ssog_rows_{suffix}"), getattr(handle, f"ssog_mix_{suffix}")
-        rows.argtypes, rows.restype = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5, None
-        mix.argtypes, mix.restype = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 12, None
-        grad = getattr(handle, f"ssog_mix_grad_{suffix}")
-        grad.argtypes, grad.restype = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 14, None
-    for name in ("ssog_mix_work", "ssog_mix_grad_work"):
-        getattr(handle, name).argtypes, getattr(handle, name).restype = [ctypes.c_int64] * 4, ctypes.c_int64
+    pointers = {"ssog_mix": 8, "ssog_mix_grad": 10, "ssog_fixed_grad": 8}
+    sizes = {"ssog_mix": 12, "ssog_mix_grad": 14, "ssog_fixed_grad": 14}
+    for name, count in pointers.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(handle, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = [ctypes.c_void_p] * count + [ctypes.c_int64] * sizes[name], None
+        work = getattr(handle, f"{name}_work")
+        work.argtypes, work.restype = [ctypes.c_int64] * 4, ctypes.c_int64
     return handle
 
 
-@functools.cache
-def _checked(reference: Callable[..., Tensor]) -> bool:
-    """The kernel against the torch path (``reference`` is ``ssogvit.ops.gaussian_rows``) and the dense reference on
-    small problems with centres inside and outside the grid and narrow and wide kernels, in both dtypes: one warning
-    and ``False`` if they differ. It runs wherever the first use happens, so it sets the modes it needs itself:
-    autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32 matmuls must stay
-    float32), and saved-tensor hooks of its own (the first use can be inside a gradient-checkpointed block, whose
-    hooks would take the check's tensors for the block's)."""
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        return _agrees(reference)
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the C kernel can be used: wanted (``enabled``, ``SSOGVIT_CPU_KERNEL``), built, and checked against the
+    dense reference in this process. ``torch.compile`` takes the answer as a constant of its graph."""
+    return _wanted() and _library() is not None and _checked()
 
 
-def _agrees(reference: Callable[..., Tensor]) -> bool:
-    g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-        mu = (torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype) - 0.5) * 16
-        s = torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype) * 4 + 0.05
-        lam = torch.rand(3, 2, 5, 3, 1, generator=g, dtype=dtype)
-        want = reference(grid_offsets(5, dtype, mu.device)[:, None, :], mu, s, inplace=True)
-        got, weighted = _run(mu, s, None), _run(mu, s, lam)
-        wanted_w = flush_tiny_product(want * lam)
-        if not (torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(weighted, wanted_w, rtol=tol,
-                                                                                      atol=tol)):
-            err = float((got - want).abs().max())
-            warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's tables disagrees with the torch path "
-                          f"(max difference {err:.3g} in {dtype}); using the torch path", RuntimeWarning,
-                          stacklevel=5)
-            return False
-        if not (_mix_agrees(dtype, tol, g) and _grad_agrees(dtype, tol, g)):
-            return False
-    return True
+def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
+    """The probe of ``ssogvit.ops``: why the kernel cannot mix ``values`` with ``operands`` (``None``: it can)."""
+    if values.device.type != "cpu" or values.dtype not in _SUFFIX:
+        return f"the C kernel mixes float32 and float64 CPU tensors, got {values.dtype} on {values.device}"
+    if any(t.dtype != values.dtype or t.device != values.device for t in operands):
+        return "the C kernel needs the values and the field in one dtype on one device"
+    if not available():
+        return (f"the C kernel is turned off ({ENV_SWITCH}=0 or cpu.enabled(False))" if not _wanted() else
+                "the C kernel could not be built or failed its check (see the warning)")
+    return None
 
 
-def _mix_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
-    """The kernel's mixing, steered and fixed, against the dense reference (one prefix token, whose row the kernel
-    leaves alone; tau = 1/2 makes the reference's scale 1 / sigma)."""
-    heads, gh, gw, r, dh = 2, 3, 5, 3, 3
-    values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
-    mu = (torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 16
-    s = torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 4 + 0.05
-    lam = torch.rand(2, gh * gw, heads, r, generator=g, dtype=dtype)
-    half = torch.tensor(0.5, dtype=dtype)
-    cases = [(dense.dense_steered_matrix(mu, 1 / s, lam, half, (gh, gw)), {"steered": (mu, s, lam)})]
-    ky, kx = (dense.dense_axis_kernel(n, mu[0, 0, ..., i], 1 / s[0, 0, ..., i], half) for i, n in enumerate((gh, gw)))
-    fixed = dense.dense_fixed_matrix(mu[0, 0], 1 / s[0, 0], lam[0, 0], half, (gh, gw))
-    cases.append((fixed.expand(2, -1, -1, -1), {"fixed": (ky, _weighted_rows(kx, lam[0, 0]))}))
-    for a, operands in cases:
-        want = dense.dense_mix(dense.with_prefix(a, 1), values)[:, 1:]
-        got = values.clone()
-        _mix(got, values, (gh, gw), heads, r, **operands)
-        if not (torch.allclose(got[:, 1:], want, rtol=tol, atol=tol) and torch.equal(got[:, 0], values[:, 0])):
-            warnings.warn(f"ssogvit: the CPU kernel for SSoG's mixing ({next(iter(operands))}) disagrees with the "
-                          f"dense reference (max difference {float((got[:, 1:] - want).abs().max()):.3g} in {dtype}); "
-                          f"using the torch path", RuntimeWarning, stacklevel=6)
-            return False
-    return True
+# ---------------------------------------------------------------------------------------------------------------------
+# The calls into the library
 
 
-def _grad_agrees(dtype: torch.dtype, tol: float, g: torch.Generator) -> bool:
-    """The kernel's steered backward against autograd through the dense reference (as ``_mix_agrees``)."""
-    heads, gh, gw, r, dh = 2, 4, 3, 3, 3
-    values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
-    mu = (torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 6
-    s = torch.rand(2, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 2 + 0.2
-    lam = torch.rand(2, gh * gw, heads, r, generator=g, dtype=dtype)
-    grad = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
-    grad[:, 0] = 0  # the prefix row's gradient is the caller's (backends._common.add_prefix_grad)
-    inputs = [t.clone().requires_grad_() for t in (values, mu, s, lam)]
-    with torch.enable_grad():
-        a = dense.dense_steered_matrix(inputs[1], 1 / inputs[2], inputs[3], torch.tensor(0.5, dtype=dtype), (gh, gw))
-        want = torch.autograd.grad((dense.dense_mix(dense.with_prefix(a, 1), inputs[0]) * grad).sum(), inputs)
-    got = _mix_grad(values, grad, (gh, gw), mu, s, lam)
-    got = (got[0], *got[1])
-    worst = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want))
-    if worst < tol:
-        return True
-    warnings.warn(f"ssogvit: the CPU kernel for steered SSoG's backward disagrees with autograd through the dense "
-                  f"reference (max relative difference {worst:.3g} in {dtype}); using the torch path",
-                  RuntimeWarning, stacklevel=6)
-    return False
+def _threads(units: int) -> int:
+    return max(1, min(torch.get_num_threads(), units))
 
 
-def available(reference: Callable[..., Tensor]) -> bool:
-    """Whether ``steered_rows`` will use the kernel (wanted, built, and checked against ``reference``)."""
-    return _wanted() and _library() is not None and _checked(reference)
+def _work(name: str, threads: int, gh: int, gw: int, r: int, dh: int, dtype: torch.dtype) -> Tensor:
+    """Each thread's scratch, from PyTorch's allocator (so that memory benchmarks count it)."""
+    return torch.empty(threads * getattr(_library(), f"{name}_work")(gh, gw, r, dh), dtype=dtype)
 
 
-def steered_rows(mu: Tensor, scale: Tensor, lam: Tensor | None, reference: Callable[..., Tensor]) -> Tensor | None:
-    """Kernel rows of a steered head chunk, ``(..., C, Q, R, Q)``, from per-token ``mu``, ``scale`` (and mixture
-    weights ``lam``, multiplied in and flushed again) shaped ``(..., C, Q, R, 1)`` with the query index ``q`` on
-    the axis of size ``Q``; ``None`` where the kernel does not apply (not a CPU float32/float64 tensor, autograd on
-    them, a layout it cannot read, under ``torch.compile``, or the kernel unavailable): the caller then takes the
-    torch path."""
-    if torch.compiler.is_compiling():  # torch.compile builds the tables itself; a ctypes call would break its graph
-        return None
-    args = [t for t in (mu, scale, lam) if t is not None]
-    if (mu.device.type != "cpu" or mu.dtype not in _SUFFIX or any(t.dtype != mu.dtype or t.shape != mu.shape
-                                                                   for t in args)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in args)) or not available(reference)):
-        return None
-    return _run(mu, scale, lam)
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with unit stride along its last axis, as the kernel reads rows."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _run(mu: Tensor, scale: Tensor, lam: Tensor | None) -> Tensor | None:
-    layouts = {_layout(t) for t in (mu, scale, lam) if t is not None}
-    if len(layouts) != 1 or None in layouts:
-        return None
-    ((m, stride),) = layouts
-    *outer, c, q, r, _ = mu.shape
-    out = torch.empty(*outer, c, q, r, q, dtype=mu.dtype)
-    fn = getattr(_library(), f"ssog_rows_{_SUFFIX[mu.dtype]}")
-    fn(mu.data_ptr(), scale.data_ptr(), lam.data_ptr() if lam is not None else None, out.data_ptr(), stride, m, c, q, r)
+def _mix_into(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, atoms: int, *,
+              steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None) -> None:
+    """``ssog_mix_*``: the patch rows of ``out`` (which may be ``values``), prefix rows first."""
+    (b, t, d), (gh, gw) = values.shape, grid
+    write_prefix_pool(out, values, t - gh * gw)
+    threads = _threads(b * heads)
+    work = _work("ssog_mix", threads, gh, gw, atoms, d // heads, values.dtype)
+    pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2))]
+    getattr(_library(), f"ssog_mix_{_SUFFIX[values.dtype]}")(
+        values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
+        out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, atoms, d // heads)
+
+
+def _fixed_tables(ky: Tensor, kx: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
+    """``(lam K^y (H, R, Gh, Gh), K^x (H, Gw, R, Gw))``: core.mix_fixed's factors, the product flushed, laid out as the
+    kernel reads them (the row pass's rows of query ``ix`` for all atoms together)."""
+    return (core.flush_tiny_product(ky * lam[:, :, None, None]).contiguous(), kx.transpose(1, 2).contiguous())
+
+
+def _grid(ky: Tensor, kx: Tensor) -> tuple[int, int]:
+    return ky.shape[-1], kx.shape[-1]
+
+
+def _fixed_into(out: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+    grid = _grid(ky, kx)
+    tables = _fixed_tables(ky, kx, lam)
+    if any(torch.isinf(t).any() for t in tables):  # where two infinities of both signs meet depends on the order of
+        out.copy_(core.mix_fixed(values, grid, ky, kx, lam))  # the passes: the torch backend's, the x-pass first
+        return
+    _mix_into(out, values, grid, *lam.shape, fixed=tables)
+
+
+@torch.library.custom_op("ssogvit::cpu_fixed_mix", mutates_args=(), device_types="cpu")
+def _fixed_mix(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+    """``core.mix_fixed`` by the kernel: values ``(B, P + N, D)``, ky ``(H, R, Gh, Gh)``, kx ``(H, R, Gw, Gw)``,
+    lam ``(H, R)``."""
+    values = _rows(values)
+    out = values.new_empty(values.shape)
+    _fixed_into(out, values, ky, kx, lam)
     return out
 
 
-def _layout(t: Tensor) -> tuple[int, int] | None:
-    """``(M, stride)`` when ``t`` ``(..., C, Q, R, 1)`` is ``M`` contiguous ``(C, Q, R)`` blocks ``stride`` elements
-    apart (a contiguous tensor, or a head slice of one), else ``None``."""
-    if t.ndim < 4 or t.shape[-1] != 1:
-        return None
-    c, q, r = t.shape[-4:-1]
-    for size, stride, want in zip((c, q, r), t.stride()[-4:-1], (q * r, r, 1)):
-        if size > 1 and stride != want:
-            return None
-    m, step, expected = 1, c * q * r, None
-    for size, stride in zip(reversed(t.shape[:-4]), reversed(t.stride()[:-4])):
-        if size == 1:
-            continue
-        if expected is None:
-            step = expected = stride
-        if stride != expected:
-            return None
-        m, expected = m * size, expected * size
-    return m, step
+@torch.library.custom_op("ssogvit::cpu_fixed_mix_", mutates_args=("values",), device_types="cpu")
+def _fixed_mix_(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+    """``cpu_fixed_mix`` written over the values (inference: one activation-sized buffer less)."""
+    if values.stride(-1) != 1:
+        values.copy_(_fixed_mix(values, ky, kx, lam))
+        return
+    _fixed_into(values, values, ky, kx, lam)
 
 
-def mixes(values: Tensor, operands: tuple[Tensor, ...], reference: Callable[..., Tensor],
-          out: Tensor | None = None) -> bool:
-    """Whether the mixing kernel applies to ``values`` and its ``operands`` (and ``out``, when it is another
-    tensor): CPU float32/float64 tensors of one dtype, rows of unit stride, no autograd through them, not under
-    ``torch.compile``, the kernel available (``available(reference)``)."""
-    if torch.compiler.is_compiling():  # a ctypes call would break the compiler's graph
-        return False
-    out = values if out is None else out
-    return not (values.device.type != "cpu" or values.dtype not in _SUFFIX
-                or any(t.dtype != values.dtype or t.device != values.device for t in (out, *operands))
-                or values.stride(-1) != 1 or out.stride(-1) != 1
-                or (torch.is_grad_enabled() and any(t.requires_grad for t in (values, out, *operands)))
-                or not available(reference))
+@torch.library.custom_op("ssogvit::cpu_fixed_mix_backward", mutates_args=(), device_types="cpu")
+def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``cpu_fixed_mix`` for ``values``, ``ky``, ``kx`` and ``lam`` given ``grad``."""
+    grad, values = _rows(grad), _rows(values)
+    (b, t, d), (h, r), (gh, gw) = values.shape, lam.shape, _grid(ky, kx)
+    kyl = core.flush_tiny_product(ky * lam[:, :, None, None]).contiguous()
+    threads = _threads(b * h)
+    work = _work("ssog_fixed_grad", threads, gh, gw, r, d // h, values.dtype)
+    g_values = values.new_zeros(values.shape)
+    g_kyl, g_kx = values.new_empty(b, h, r, gh, gh), values.new_empty(b, h, r, gw, gw)  # per image, summed below
+    getattr(_library(), f"ssog_fixed_grad_{_SUFFIX[values.dtype]}")(
+        *(x.data_ptr() for x in (values, grad, g_values, kyl, kx.contiguous(), g_kyl, g_kx, work)), threads, b,
+        values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
+        t - gh * gw, gh, gw, h, r, d // h)
+    add_prefix_grad(g_values, grad, t - gh * gw)
+    g_kyl = g_kyl.sum(0)
+    return g_values, g_kyl * lam[:, :, None, None], g_kx.sum(0), (g_kyl * ky).sum(dim=(-1, -2))
 
 
-def steered_mix(out: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor,
-                reference: Callable[..., Tensor]) -> bool:
-    """Write the steered mixing of the patch tokens of ``values`` ``(B, P + N, D)`` into ``out`` (the same shape; it
-    may be ``values`` itself) from per-token ``mu``, ``scale`` ``(B, N, H, R, 2)`` (scale broadcastable to it) and
-    ``lam`` ``(B, N, H, R)``, and return ``True``; the prefix rows of ``out`` are left alone. ``False`` (nothing
-    written) where the kernel does not apply (``mixes``): the caller then takes the torch path."""
-    if not mixes(values, (mu, scale, lam), reference, out):
-        return False
-    geo = (mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
-    _mix(out, values, grid, mu.shape[2], mu.shape[3], steered=geo)
+@torch.library.custom_op("ssogvit::cpu_steered_mix", mutates_args=(), device_types="cpu")
+def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int) -> Tensor:
+    """``core.mix_steered`` by the kernel: values ``(B, P + N, D)``, mu and scale ``(B, N, H, R, 2)``, lam
+    ``(B, N, H, R)``, the grid ``(gh, gw)``."""
+    values = _rows(values)
+    out = values.new_empty(values.shape)
+    _mix_into(out, values, (gh, gw), *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
+    return out
+
+
+@torch.library.custom_op("ssogvit::cpu_steered_mix_", mutates_args=("values",), device_types="cpu")
+def _steered_mix_(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int) -> None:
+    """``cpu_steered_mix`` written over the values."""
+    if values.stride(-1) != 1:
+        values.copy_(_steered_mix(values, mu, scale, lam, gh, gw))
+        return
+    _mix_into(values, values, (gh, gw), *mu.shape[2:4],
+              steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
+
+
+@torch.library.custom_op("ssogvit::cpu_steered_mix_backward", mutates_args=(), device_types="cpu")
+def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``cpu_steered_mix`` for ``values``, ``mu``, ``scale`` and ``lam`` given ``grad``."""
+    grad, values, mu, scale, lam = _rows(grad), _rows(values), mu.contiguous(), scale.contiguous(), lam.contiguous()
+    (b, t, d), (h, r) = values.shape, mu.shape[2:4]
+    threads = _threads(b * h)
+    work = _work("ssog_mix_grad", threads, gh, gw, r, d // h, values.dtype)
+    g_values = values.new_zeros(values.shape)
+    g_mu, g_scale, g_lam = (t.new_empty(t.shape) for t in (mu, scale, lam))
+    getattr(_library(), f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
+        *(x.data_ptr() for x in (values, grad, g_values, mu, scale, lam, g_mu, g_scale, g_lam, work)), threads, b,
+        values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
+        t - gh * gw, gh, gw, h, r, d // h)
+    add_prefix_grad(g_values, grad, t - gh * gw)
+    return g_values, g_mu, g_scale, g_lam
+
+
+def _new(*tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """Fresh contiguous tensors shaped as ``tensors``: what the ops return, for their fake implementations."""
+    out = tuple(t.new_empty(t.shape) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+@_fixed_mix.register_fake
+def _(values, ky, kx, lam):
+    return _new(values)
+
+
+@_fixed_mix_.register_fake
+def _(values, ky, kx, lam):
+    return None
+
+
+@_fixed_mix_backward.register_fake
+def _(grad, values, ky, kx, lam):
+    return _new(values, ky, kx, lam)
+
+
+@_steered_mix.register_fake
+def _(values, mu, scale, lam, gh, gw):
+    return _new(values)
+
+
+@_steered_mix_.register_fake
+def _(values, mu, scale, lam, gh, gw):
+    return None
+
+
+@_steered_mix_backward.register_fake
+def _(grad, values, mu, scale, lam, gh, gw):
+    return _new(values, mu, scale, lam)
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:4])
+    ctx.grid = tuple(inputs[4:])
+
+
+def _fixed_mix_grad(ctx, grad: Tensor):
+    return _fixed_mix_backward(grad, *ctx.saved_tensors)
+
+
+def _steered_mix_grad(ctx, grad: Tensor):
+    return *_steered_mix_backward(grad, *ctx.saved_tensors, *ctx.grid), None, None
+
+
+_fixed_mix.register_autograd(_fixed_mix_grad, setup_context=_save_inputs)
+_steered_mix.register_autograd(_steered_mix_grad, setup_context=_save_inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The backend's entry points (``ssogvit.ops`` calls them without autograd and wires them into it)
+
+
+def fixed_forward(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
+                  inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+    """``core.mix_fixed`` (``head_chunk`` is the torch backend's and ignored here); ``inplace`` writes over the
+    values and returns them."""
+    if inplace:
+        torch.ops.ssogvit.cpu_fixed_mix_(values, ky, kx, lam)
+        return values
+    return torch.ops.ssogvit.cpu_fixed_mix(values, ky, kx, lam)
+
+
+def fixed_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``fixed_forward`` for ``values``, ``ky``, ``kx`` and ``lam``."""
+    return torch.ops.ssogvit.cpu_fixed_mix_backward(grad, values, ky, kx, lam)
+
+
+def steered_forward(values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+                    inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+    """``core.mix_steered``; ``inplace`` writes over the values and returns them."""
+    if inplace:
+        torch.ops.ssogvit.cpu_steered_mix_(values, mu, scale, lam, *grid)
+        return values
+    return torch.ops.ssogvit.cpu_steered_mix(values, mu, scale, lam, *grid)
+
+
+def steered_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+                     head_chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``steered_forward`` for ``values``, ``mu``, ``scale`` and ``lam``."""
+    return torch.ops.ssogvit.cpu_steered_mix_backward(grad, values, mu, scale, lam, *grid)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The first use's check against the dense reference
+
+
+@functools.cache
+def _checked() -> bool:
+    """The kernel's mixing (steered and fixed) and both backwards against the dense reference (autograd through it)
+    on small problems with centres inside and outside the grid, narrow and wide kernels and one prefix token, in
+    both dtypes: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
+    modes it needs itself: autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32
+    matmuls must stay float32), and saved-tensor hooks of its own (the first use can be inside a gradient-checkpointed
+    block, whose hooks would take the check's tensors for the block's)."""
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        g = torch.Generator().manual_seed(0)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            for kind in ("steered", "fixed"):
+                worst = _check(kind, dtype, g)
+                if not worst < tol:
+                    warnings.warn(f"ssogvit: the CPU kernel's {kind} mixing disagrees with the dense reference (max "
+                                  f"relative difference {worst:.3g} in {dtype}); using the torch path",
+                                  RuntimeWarning, stacklevel=4)
+                    return False
     return True
 
 
-def fixed_mix(out: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> None:
-    """``steered_mix`` for the fixed field, where ``mixes(values, (ky, kx, lam), ...)`` said it applies: kernels
-    ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)`` and weights ``lam (H, R)`` (``ssogvit.ops.ssog_mix``'s arguments)."""
-    _mix(out, values, grid, *lam.shape, fixed=(ky.contiguous(), _weighted_rows(kx, lam)))
-
-
-def _weighted_rows(kx: Tensor, lam: Tensor) -> Tensor:
-    """The fixed row pass's matrix ``lambda K^x``, flushed (docs/operator.md, "Denormals"), laid out
-    ``(H, Gw, R, Gw)``: the rows of query ``ix`` for all atoms together."""
-    return flush_tiny_product(kx * lam[:, :, None, None]).transpose(1, 2).contiguous()
-
-
-def _mix(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, r: int, *,
-         steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None) -> None:
-    (b, t, d), (gh, gw) = values.shape, grid
-    lib = _library()
-    threads = max(1, min(torch.get_num_threads(), b * heads))
-    # each thread's scratch (one head's values and result, a row's tables) from PyTorch, so its allocator counts it
-    work = torch.empty(threads * lib.ssog_mix_work(gh, gw, r, d // heads), dtype=values.dtype)
-    pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2))]
-    getattr(lib, f"ssog_mix_{_SUFFIX[values.dtype]}")(
-        values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
-        out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, r, d // heads)
-
-
-def steered_mix_grad(values: Tensor, grad: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor,
-                     reference: Callable[..., Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]] | None:
-    """Gradients of the steered mixing of ``values`` (arguments as in ``steered_mix``) given ``grad = dL/dout``: for
-    the values (the patch rows' part; the prefix rows' contribution, ``backends._common.add_prefix_grad``, is the
-    caller's) and for ``mu``, ``scale`` (reduced to its shape) and ``lam``; ``None`` where the kernel does not apply
-    (``mixes``)."""
-    if not mixes(values, (grad, mu, scale, lam), reference) or grad.stride(-1) != 1:
-        return None
-    g_values, (g_mu, g_scale, g_lam) = _mix_grad(
-        values, grad, grid, mu.contiguous(), scale.expand(mu.shape).contiguous(), lam.contiguous())
-    return g_values, (g_mu, g_scale.sum_to_size(scale.shape), g_lam)
-
-
-def _mix_grad(values: Tensor, grad: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor
-              ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    (b, t, d), (gh, gw), (heads, r) = values.shape, grid, mu.shape[2:4]
-    lib = _library()
-    threads = max(1, min(torch.get_num_threads(), b * heads))
-    work = torch.empty(threads * lib.ssog_mix_grad_work(gh, gw, r, d // heads), dtype=values.dtype)
-    g_values = torch.zeros_like(values)
-    g_mu, g_scale, g_lam = torch.empty_like(mu), torch.empty_like(scale), torch.empty_like(lam)
-    getattr(lib, f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
-        *(x.data_ptr() for x in (values, grad, g_values, mu, scale, lam, g_mu, g_scale, g_lam, work)), threads, b,
-        values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
-        t - gh * gw, gh, gw, heads, r, d // heads)
-    return g_values, (g_mu, g_scale, g_lam)
+def _check(kind: str, dtype: torch.dtype, g: torch.Generator) -> float:
+    """The largest relative difference between the kernel and autograd through the dense reference, in the output
+    and every gradient, on one small problem (tau = 1/2 makes the reference's widths 1 / scale)."""
+    heads, gh, gw, r, dh = 2, 4, 5, 3, 3
+    values = torch.randn(2, 1 + gh * gw, heads * dh, generator=g, dtype=dtype)
+    grad = torch.randn(values.shape, generator=g, dtype=dtype)
+    n = 2 if kind == "steered" else 1
+    mu = (torch.rand(n, gh * gw, heads, r, 2, generator=g, dtype=dtype) - 0.5) * 12
+    s = torch.rand(n, gh * gw, heads, r, 2, generator=g, dtype=dtype) * 3 + 0.1
+    lam = torch.rand(n, gh * gw, heads, r, generator=g, dtype=dtype)
+    half = torch.tensor(0.5, dtype=dtype)
+    if kind == "steered":
+        inputs = [t.requires_grad_() for t in (values, mu, s, lam)]
+        got = (_steered_mix(*(t.detach() for t in inputs), gh, gw),
+               *_steered_mix_backward(grad, *(t.detach() for t in inputs), gh, gw))
+        a = dense.dense_steered_matrix(inputs[1], 1 / inputs[2], inputs[3], half, (gh, gw))
+    else:
+        ky, kx = (dense.dense_axis_kernel(L, mu[0, 0, ..., i], 1 / s[0, 0, ..., i], half) for i, L in
+                  enumerate((gh, gw)))
+        inputs = [t.requires_grad_() for t in (values, ky, kx, lam[0, 0])]
+        got = (_fixed_mix(*(t.detach() for t in inputs)), *_fixed_mix_backward(grad, *(t.detach() for t in inputs)))
+        a = torch.einsum("hr,hrac,hrbd->habcd", inputs[3], inputs[1], inputs[2])  # sum_r lam kron(ky, kx)
+        a = a.reshape(heads, gh * gw, gh * gw).expand(2, -1, -1, -1)
+    want = dense.dense_mix(dense.with_prefix(a, 1), inputs[0])
+    want = (want.detach(), *torch.autograd.grad(want, inputs, grad))
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want))

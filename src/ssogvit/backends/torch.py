@@ -1,33 +1,33 @@
-"""The torch backend: CPU- and GPU-friendly implementations of the fixed and steered mixing of ``ssogvit.ops``.
+"""The torch backend (``impl="stacked"``): the fixed and the steered mixing of ``ssogvit.core`` as batched matmuls.
 
-docs/operator.md states what they compute ("Fixed mixing", "Steered mixing") and how they differ ("Backends"). This
-file holds the tuning only: head chunks, in-place writes into one output buffer, a custom autograd function that
-recomputes the x-pass in backward. Shapes use the letters of ``ssogvit.ops``.
+docs/operator.md states what they compute ("Fixed mixing", "Steered mixing", "Backward") and how the backends differ
+("Backends"). This file holds the tuning only: atoms stacked inside one matmul per pass, head chunks and batch slices,
+results written into one output buffer; the backward recomputes what the forward does not keep. Every function here
+is a pure function of tensors (``ssogvit.ops`` wires them into autograd); the backward functions are written with
+differentiable operations, so a backward that builds a graph (a gradient penalty) can be differentiated again.
+Shapes use the letters of ``ssogvit.core``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
-
 import torch
 from torch import Tensor
 
-from . import cpu
-from ._common import (
-    add_prefix_grad, flush_tiny_product, functional_only, gaussian_rows_grad, grid_offsets, head_grads, prefix_pool,
-    write_prefix_pool,
-)
+from ssogvit import core
+
+from ._common import add_prefix_grad, head_grads, write_prefix_pool
 
 __all__ = [
     "SLICE_BYTES", "SMALL_MIX_TOKENS", "TRAIN_CHUNK_BYTES", "batch_slices", "default_head_chunk",
-    "default_mix_head_chunk", "mix_fixed", "mix_steered",
+    "default_mix_head_chunk", "fixed_backward", "fixed_forward", "steered_backward", "steered_forward",
+    "unsupported",
 ]
 
-#: Below this many patch tokens in a batch (``B * N``), ``"stacked"`` mixes heads in chunks: its per-head matmuls
-#: are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width, mixing
-#: alone: chunks of 2 heads take 0.70x the per-head time at 224 batch 1, 0.79x at 224 batch 2, 0.80x at 384 batch 1;
-#: at 224 batch 4 and 384 batch 2 no gain; at 512 batch 1 two measurements disagreed, so the rule stops below it).
+#: Below this many patch tokens in a batch (``B * N``), the fixed mixing's forward mixes heads in chunks: its per-head
+#: matmuls are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width,
+#: mixing alone: chunks of 2 heads take 0.70x the per-head time at 224 batch 1, 0.79x at 224 batch 2, 0.80x at 384
+#: batch 1; at 224 batch 4 and 384 batch 2 no gain; at 512 batch 1 two measurements disagreed, so the rule stops
+#: below it).
 SMALL_MIX_TOKENS = 640
 
 
@@ -65,57 +65,39 @@ def default_head_chunk(
     return max(1, min(heads, int(budget // per_head)))
 
 
-#: ``rows(delta, mu, scale, inplace=...)``: Gaussian kernel rows (``ssogvit.ops.gaussian_rows``).
-Rows = Callable[..., Tensor]
+def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
+    """The probe of ``ssogvit.ops``: this backend mixes anything (``None``: no reason against it)."""
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Fixed SSoG
 
 
-def mix_fixed(
-    values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
-    impl: str, inplace: bool, head_chunk: int | None, grad_needed: bool, rows: Rows | None = None,
-) -> Tensor:
-    """``ssogvit.ops.ssog_mix`` for ``impl`` in ``"auto"`` (the C kernel of ``backends.cpu`` where it applies, else
-    ``"stacked"``), ``"stacked"``, ``"loop"``, ``"einsum"`` (arguments checked there; ``rows`` is
-    ``ssogvit.ops.gaussian_rows``, which the C kernel's first use is checked against: without it ``"auto"`` is
-    ``"stacked"``)."""
+def _fixed_tables(ky: Tensor, kx: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Kyl (H, Gh, Gh*R), Kx (H, R*Gw, Gw))``: the y-kernels with lambda folded in and flushed
+    (``core.flush_tiny_product``), columns ``(jy, r)``, and the x-kernels of all atoms stacked, rows ``(r, ix)``."""
+    h, r, gh, _ = ky.shape
+    gw = kx.shape[-1]
+    ky_fold = core.flush_tiny_product(ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)
+    return ky_fold, kx.reshape(h, r * gw, gw)
+
+
+def fixed_forward(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
+                  inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+    """``ssogvit.ops.ssog_mix`` (arguments checked there): per head (or chunk of ``head_chunk`` heads), all atoms in
+    one ``(R*Gw, Gw)`` x-pass matmul reading V in place, then the y-pass contracting (source row, atom) together with
+    lambda folded in, so that the sum over atoms happens inside the matmul. ``inplace`` writes the result over
+    ``values``: each head's values are read into temporaries before its result is written."""
     gh, gw = grid
-    p = values.shape[1] - gh * gw
-    if impl == "auto":
-        if rows is not None and not grad_needed and cpu.mixes(values, (ky, kx, lam), rows):
-            out = values if inplace else torch.empty_like(values)
-            write_prefix_pool(out, values, p)  # before any patch row of ``out`` is overwritten
-            cpu.fixed_mix(out, values, grid, ky, kx, lam)
-            return out
-        impl = "stacked"
-    if impl == "stacked":
-        h, r = lam.shape
-        ky_fold = flush_tiny_product(ky * lam[:, :, None, None]).permute(0, 2, 3, 1).reshape(h, gh, gh * r)
-        kx_stack = kx.reshape(h, r * gw, gw)  # rows (atom, ix)
-        if grad_needed:
-            return _StackedMix.apply(values, ky_fold, kx_stack, gh, gw)
-        chunk = head_chunk or default_mix_head_chunk(values.shape[0] * gh * gw, h, r)
-        return _stacked_forward(values, ky_fold, kx_stack, gh, gw, values if inplace else None, chunk)
-    mix = _mix_loop if impl == "loop" else _mix_einsum
-    mixed = mix(values[:, p:], grid, ky, kx, lam)
-    return torch.cat([prefix_pool(values[:, p:], p), mixed], dim=1) if p else mixed
-
-
-def _stacked_forward(
-    values: Tensor, ky_fold: Tensor, kx_stack: Tensor, gh: int, gw: int, out: Tensor | None, chunk: int
-) -> Tensor:
-    """Forward of ``_StackedMix`` (also used directly without autograd). ``out`` may be ``values`` itself: each
-    head's (or chunk's) values are read into temporaries before its result is written."""
+    ky_fold, kx_stack = _fixed_tables(ky, kx, lam)
+    chunk = head_chunk or default_mix_head_chunk(values.shape[0] * gh * gw, *lam.shape)
     b, t, d = values.shape
-    h = ky_fold.shape[0]
-    r = kx_stack.shape[1] // gw
+    h, r = lam.shape
     dh = d // h
     p = t - gh * gw
     vp = values[:, p:].view(b, gh, gw, h, dh)
-    if out is None:
-        out = values.new_empty(b, t, d)
+    out = values if inplace else values.new_empty(b, t, d)
     write_prefix_pool(out, values, p)
     op = out[:, p:].view(b, gh, gw, h, dh)
     if chunk <= 1:
@@ -140,84 +122,29 @@ def _stacked_forward(
     return out
 
 
-def _mix_einsum(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
-    b, n, d = values.shape
+def fixed_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``fixed_forward`` for ``values``, ``ky``, ``kx`` and ``lam`` given ``grad = dL/dout``
+    (docs/operator.md, "Backward"): per head by ``head_grads``, the x-pass recomputed rather than saved; ``lam``
+    and ``ky`` through ``Kyl`` (the flush passes the gradient through unchanged)."""
     gh, gw = grid
-    h = ky.shape[0]
-    v = values.reshape(b, gh, gw, h, d // h)
-    u = torch.einsum("hrkl,bjlhd->bhrjkd", kx, v)  # x-pass, one copy per atom
-    y = torch.einsum("hr,hrij,bhrjkd->bikhd", lam, ky, u)  # y-pass and mixture
-    return y.reshape(b, n, d)
-
-
-def _mix_loop(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
-    # Head-major, one atom at a time, accumulating into one buffer per head: x-pass as a right-multiplication
-    # (B*Gh*dh, Gw) @ (Gw, Gw), y-pass as (Gh, Gh) @ (Gh, dh*Gw).
-    b, n, d = values.shape
-    gh, gw = grid
+    b, t, d = values.shape
     h, r = lam.shape
     dh = d // h
-    v = values.reshape(b, gh, gw, h, dh)
-    kxt = kx.transpose(-1, -2)
-    ky_l = ky * lam[:, :, None, None]
-    out = values.new_empty(b, gh, gw, h, dh)
+    p = t - gh * gw
+    ky_fold, kx_stack = _fixed_tables(ky, kx, lam)
+    vp = values[:, p:].reshape(b, gh, gw, h, dh)
+    gp = grad[:, p:].reshape(b, gh, gw, h, dh)
+    g_values = values.new_zeros(b, t, d)
+    gvp = g_values[:, p:].view(b, gh, gw, h, dh)
+    g_kyl, g_kx = values.new_empty(h, gh, gh * r), values.new_empty(h, r * gw, gw)
     for hi in range(h):
-        vt = v[:, :, :, hi].transpose(-1, -2).reshape(b * gh * dh, gw)  # (B*Gh*dh, Gw): layout (b, jy, d, jx)
-        acc = None
-        for ri in range(r):
-            u = (vt @ kxt[hi, ri]).view(b, gh, dh * gw)  # x-pass
-            if acc is None:
-                acc = torch.matmul(ky_l[hi, ri], u)  # y-pass, (B, Gh, dh*Gw)
-            else:
-                acc = acc.baddbmm(ky_l[hi, ri].expand(b, gh, gh), u)
-        out[:, :, :, hi] = acc.view(b, gh, dh, gw).transpose(-1, -2)
-    return out.view(b, n, d)
-
-
-class _StackedMix(torch.autograd.Function):
-    """Per head: the x-pass applies all atoms at once, ``(R*Gw, Gw)`` to each grid row, reading V in the tokens' own
-    layout; the y-pass contracts (source row, atom) together, ``(Gh, Gh*R)`` with lambda folded in, so the sum over
-    atoms happens inside the matmul. Temporaries are one head's worth (``R/H`` of the activation). The output is
-    written in place into one ``(B, P + N, D)`` buffer, prefix rows included. Backward saves only the values and the
-    kernels and recomputes the x-pass, so training keeps no per-atom intermediates.
-    """
-
-    @staticmethod
-    def forward(ctx, values: Tensor, ky_fold: Tensor, kx_stack: Tensor, gh: int, gw: int) -> Tensor:
-        out = _stacked_forward(values, ky_fold, kx_stack, gh, gw, None, 1)
-        ctx.save_for_backward(values, ky_fold, kx_stack)
-        ctx.grid = (gh, gw)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        values, ky_fold, kx_stack = ctx.saved_tensors
-        gh, gw = ctx.grid
-        b, t, d = values.shape
-        h = ky_fold.shape[0]
-        dh = d // h
-        p = t - gh * gw
-        vp = values[:, p:].view(b, gh, gw, h, dh)
-        gp = grad[:, p:].reshape(b, gh, gw, h, dh)
-        need_v, need_ky, need_kx = ctx.needs_input_grad[:3]
-        g_values = values.new_zeros(b, t, d) if need_v else None
-        g_ky = torch.zeros_like(ky_fold) if need_ky else None
-        g_kx = torch.zeros_like(kx_stack) if need_kx else None
-        gvp = g_values[:, p:].view(b, gh, gw, h, dh) if need_v else None
-        for hi in range(h):
-            g_ky_h, g_kx_h, g_v_h = head_grads(
-                vp[:, :, :, hi].reshape(b * gh, gw, dh), gp[:, :, :, hi].reshape(b, gh, gw * dh), kx_stack[hi],
-                ky_fold[hi], need_ky=need_ky, need_kx=need_kx, need_v=need_v,
-            )
-            if need_ky:
-                g_ky[hi] = g_ky_h
-            if need_kx:
-                g_kx[hi] = g_kx_h
-            if need_v:
-                gvp[:, :, :, hi] = g_v_h.view(b, gh, gw, dh)
-        if need_v:
-            add_prefix_grad(g_values, grad, p)
-        return g_values, g_ky, g_kx, None, None
+        g_kyl[hi], g_kx[hi], g_v = head_grads(vp[:, :, :, hi].reshape(b * gh, gw, dh),
+                                              gp[:, :, :, hi].reshape(b, gh, gw * dh), kx_stack[hi], ky_fold[hi])
+        gvp[:, :, :, hi] = g_v.view(b, gh, gw, dh)
+    add_prefix_grad(g_values, grad, p)
+    g_kyl = g_kyl.view(h, gh, gh, r).permute(0, 3, 1, 2)  # (H, R, Gh, Gh)
+    return g_values, g_kyl * lam[:, :, None, None], g_kx.view(h, r, gw, gw), (g_kyl * ky).sum(dim=(-1, -2))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,13 +158,13 @@ class _Steered:
     Row pass, batched over ``(b, iy, h)``: ``(ix, (r, k)) @ ((r, k), d)``, the x-rows and weights steered by the query.
     """
 
-    def __init__(self, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, rows: Rows):
+    def __init__(self, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor):
         b, t, d = values.shape
         self.gh, self.gw = gh, gw = grid
         self.b, self.d, self.p = b, d, t - gh * gw
         self.h, self.r = mu.shape[2], mu.shape[3]
         self.dh = d // self.h
-        self.rows, self.values, self.geo = rows, values, (mu, scale, lam)
+        self.values, self.geo = values, (mu, scale, lam)
         self.v = values[:, self.p:].view(b, gh, gw, self.h, self.dh)
         mu = mu.reshape(b, gh, gw, self.h, self.r, 2)
         scale = scale.expand(b, gh * gw, self.h, self.r, 2).reshape(b, gh, gw, self.h, self.r, 2)
@@ -248,8 +175,8 @@ class _Steered:
         self.lam = lam.reshape(b, gh, gw, self.h, self.r).permute(row).contiguous()[..., None]  # (b, iy, h, ix, r, 1)
         pd = self.s_y.dtype
         # j - i for the query row i of each table row: (iy, r, jy) and (ix, r, k), exact integers
-        self.delta_y = grid_offsets(gh, pd, values.device)[:, None, :]
-        self.delta_x = grid_offsets(gw, pd, values.device)[:, None, :]
+        self.delta_y = core.grid_offsets(gh, pd, values.device)[:, None, :]
+        self.delta_x = core.grid_offsets(gw, pd, values.device)[:, None, :]
 
     def chunks(self, chunk: int):
         for h0 in range(0, self.h, chunk):
@@ -266,14 +193,10 @@ class _Steered:
         return self._table(self.delta_x, self.mu_x[:, :, hs], self.s_x[:, :, hs], self.lam[:, :, hs], inplace)
 
     def _table(self, delta: Tensor, mu: Tensor, s: Tensor, lam: Tensor | None, inplace: bool) -> Tensor:
-        """Rows by the C kernel where it applies (in place, so no autograd: ``backends.cpu``), else by ``rows``."""
-        k = cpu.steered_rows(mu, s, lam, self.rows) if inplace else None
-        if k is not None:
-            return k
-        k = self.rows(delta, mu, s, inplace=inplace)
+        k = core.gaussian_rows(delta, mu, s, inplace=inplace)
         if lam is None:
             return k
-        return flush_tiny_product(k.mul_(lam) if inplace else k * lam)
+        return core.flush_tiny_product(k.mul_(lam) if inplace else k * lam)
 
     def v_cols(self, hs: slice) -> Tensor:
         c = hs.stop - hs.start
@@ -294,37 +217,8 @@ class _Steered:
         w = self.w_x(hs, inplace).to(dtype)
         return torch.bmm(w.view(b * gh * c, gw, r * gw), u_b).view(b, gh, c, gw, dh)
 
-    def functional_forward(self, chunk: int) -> Tensor:
-        """All heads, concatenated, nothing written in place (traced or exported: see ``functional_only``)."""
-        parts = [self.chunk_forward(hs, False) for hs in self.chunks(chunk)]
-        mixed = torch.cat(parts, dim=2).permute(0, 1, 3, 2, 4).reshape(self.b, self.gh * self.gw, self.d)
-        patches = self.v.reshape(self.b, self.gh * self.gw, self.d)
-        return torch.cat([prefix_pool(patches, self.p), mixed], dim=1) if self.p else mixed
 
-
-#: ``geometry(*inputs) -> (mu, scale, lam)``: each token's centres ``(B, N, H, R, 2)``, kernel scales
-#: (``ssogvit.ops.kernel_scale``, the same shape) and mixture weights ``(B, N, H, R)``.
-Geometry = Callable[..., tuple[Tensor, Tensor, Tensor]]
-
-
-def mix_steered(
-    values: Tensor, grid: tuple[int, int], geometry: Geometry, inputs: tuple[Tensor, ...], *,
-    head_chunk: int | None, inplace: bool, rows: Rows,
-) -> Tensor:
-    """``ssogvit.ops.ssog_mix_steered_from`` (arguments checked there): the mixing steered by ``geometry(*inputs)``,
-    one head chunk (and batch slice, ``batch_slices``) at a time. With autograd, ``_SteeredMix`` saves the values and
-    ``inputs`` only; it recomputes the geometry and the kernel tables in backward."""
-    if torch.is_grad_enabled() and not functional_only() and any(t.requires_grad for t in (values, *inputs)):
-        return _SteeredMix.apply(values, grid, head_chunk, rows, geometry, *inputs)
-    geo = geometry(*inputs)
-    chunk = _chunk(geo, head_chunk)
-    if functional_only():
-        return _Steered(values, grid, *geo, rows).functional_forward(chunk)
-    return _steered_into(values if inplace else torch.empty_like(values), values, grid, geo, rows, chunk)
-
-
-def _chunk(geo: tuple[Tensor, Tensor, Tensor], head_chunk: int | None) -> int:
-    heads = geo[0].shape[2]
+def _chunk(heads: int, head_chunk: int | None) -> int:
     return heads if head_chunk is None else max(1, min(heads, int(head_chunk)))
 
 
@@ -335,101 +229,49 @@ def _chunk(geo: tuple[Tensor, Tensor, Tensor], head_chunk: int | None) -> int:
 SLICE_BYTES = 32 * 2**20
 
 
-def batch_slices(values: Tensor, grid: tuple[int, int], geo: tuple[Tensor, Tensor, Tensor], chunk: int) -> list[slice]:
+def batch_slices(values: Tensor, grid: tuple[int, int], heads: int, atoms: int, chunk: int) -> list[slice]:
     """Batch slices for the steered mixing: as many images per slice as keep a head chunk's temporaries within
     ``SLICE_BYTES`` (at least one)."""
-    b, (gh, gw), (h, r) = values.shape[0], grid, geo[0].shape[2:4]
-    per_image = gh * gw * chunk * (r * (gh + gw) + 2 * r * (values.shape[-1] // h)) * values.element_size()
+    b, (gh, gw) = values.shape[0], grid
+    per_image = gh * gw * chunk * (atoms * (gh + gw) + 2 * atoms * (values.shape[-1] // heads)) * values.element_size()
     step = max(1, min(b, SLICE_BYTES // per_image))
     return [slice(i, min(b, i + step)) for i in range(0, b, step)]
 
 
-def _batch(geo: tuple[Tensor, Tensor, Tensor], bs: slice) -> tuple[Tensor, Tensor, Tensor]:
-    """The geometry of the images ``bs``."""
-    return tuple(t[bs] for t in geo)
-
-
-def _steered_into(out: Tensor, values: Tensor, grid: tuple[int, int], geo: tuple[Tensor, Tensor, Tensor], rows: Rows,
-                  chunk: int) -> Tensor:
-    """The steered mixing written into ``out`` (the values themselves in place: each chunk's values are read for the
-    last time before its result is written), prefix rows first; by the C kernel where it applies (``backends.cpu``),
-    else one batch slice and head chunk at a time."""
+def steered_forward(values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+                    inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+    """``ssogvit.ops.ssog_mix_steered`` (arguments checked there): one batch slice (``batch_slices``) and head chunk
+    (``head_chunk`` heads; ``None``: all) at a time, written into a new buffer, or with ``inplace`` over the values
+    (each chunk's values are read for the last time before its result is written), prefix rows first. ``mu`` and
+    ``scale`` ``(B, N, H, R, 2)``, ``lam`` ``(B, N, H, R)``."""
+    out = values if inplace else torch.empty_like(values)
     write_prefix_pool(out, values, values.shape[1] - grid[0] * grid[1])
-    if cpu.steered_mix(out, values, grid, *geo, rows):
-        return out
-    for bs in batch_slices(values, grid, geo, chunk):
-        op = _Steered(values[bs], grid, *_batch(geo, bs), rows)
+    heads, atoms = mu.shape[2:4]
+    chunk = _chunk(heads, head_chunk)
+    tables_inplace = not torch.is_grad_enabled()
+    for bs in batch_slices(values, grid, heads, atoms, chunk):
+        op = _Steered(values[bs], grid, mu[bs], scale[bs], lam[bs])
         o = out[bs, op.p:].view(op.b, op.gh, op.gw, op.h, op.dh)
         for hs in op.chunks(chunk):
-            o[:, :, :, hs] = op.chunk_forward(hs, True).permute(0, 1, 3, 2, 4)
+            o[:, :, :, hs] = op.chunk_forward(hs, tables_inplace).permute(0, 1, 3, 2, 4)
     return out
 
 
-class _SteeredMix(torch.autograd.Function):
-    """Steered mixing that keeps for backward only the values and the geometry's ``inputs`` (the layer passes its
-    normalised tokens, which the value projection keeps anyway, and the field's parameters). Backward recomputes the
-    per-token geometry, then the kernel tables and the column pass one head chunk at a time, and differentiates the
-    geometry with ``torch.autograd.grad``. It is written with differentiable operations (out of place when a graph is
-    being built), so gradient penalties can differentiate it again."""
-
-    @staticmethod
-    def forward(ctx, values, grid, head_chunk, rows, geometry, *inputs):
-        ctx.save_for_backward(values, *inputs)
-        ctx.args = (grid, head_chunk, rows, geometry)
-        ctx.autocast = _autocast_state()  # the recomputed geometry must be the one the forward used
-        geo = geometry(*inputs)  # forward runs without grad
-        return _steered_into(torch.empty_like(values), values, grid, geo, rows, _chunk(geo, head_chunk))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        values, *inputs = ctx.saved_tensors
-        grid, head_chunk, rows, geometry = ctx.args
-        create = torch.is_grad_enabled()  # create_graph=True: the saved inputs carry the outer graph, use them as is
-        need = ctx.needs_input_grad[5:]
-        if not create:
-            inputs = [t.detach().requires_grad_(n) for t, n in zip(inputs, need)]
-        with torch.enable_grad(), _autocast(ctx.autocast):
-            geo = geometry(*inputs)
-        used = geo if create else tuple(t.detach() for t in geo)
-        done = None if create else cpu.steered_mix_grad(values, grad, grid, *used, rows)  # the C kernel, else:
-        if done is not None:
-            g_values, g_geo = done
-            add_prefix_grad(g_values, grad, values.shape[1] - grid[0] * grid[1])
-        else:
-            chunk = _chunk(used, head_chunk)
-            parts = [_steered_backward(_Steered(values[bs], grid, *_batch(used, bs), rows), grad[bs], chunk)
-                     for bs in batch_slices(values, grid, used, chunk)]
-            g_values, g_geo = parts[0] if len(parts) == 1 else _joined(parts)
-        outs = [(o, g) for o, g in zip(geo, g_geo) if o.requires_grad]
-        wanted = [i for i, n in enumerate(need) if n]
-        g_in = [None] * len(inputs)
-        if outs and wanted:
-            found = torch.autograd.grad([o for o, _ in outs], [inputs[i] for i in wanted], [g for _, g in outs],
-                                        allow_unused=True, create_graph=create)
-            for i, g in zip(wanted, found):
-                g_in[i] = g
-        return g_values, None, None, None, None, *g_in
+def steered_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor, *,
+                     head_chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``steered_forward`` for ``values``, ``mu``, ``scale`` and ``lam``
+    given ``grad = dL/dout``, one batch slice and head chunk at a time, the tables and the column pass recomputed."""
+    heads, atoms = mu.shape[2:4]
+    chunk = _chunk(heads, head_chunk)
+    parts = []
+    for bs in batch_slices(values, grid, heads, atoms, chunk):
+        op = _Steered(values[bs], grid, mu[bs], scale[bs], lam[bs])
+        parts.append(_steered_backward(op, grad[bs], chunk))
+    g_values, g_mu, g_scale, g_lam = (torch.cat([p[i] for p in parts]) for i in range(4))
+    return g_values, g_mu, g_scale, g_lam
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")]
-
-
-@contextmanager
-def _autocast(state: list[tuple[str, bool, torch.dtype]]):
-    """Autocast as it was in the forward (backward runs outside the caller's ``torch.autocast`` block)."""
-    with ExitStack() as stack:
-        for dev, enabled, dtype in state:
-            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-        yield
-
-
-def _joined(parts: list) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """The gradients of batch slices put together."""
-    return torch.cat([p[0] for p in parts]), tuple(torch.cat([p[1][i] for p in parts]) for i in range(3))
-
-
-def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the steered mixing ``op`` for its values and its geometry ``op.geo = (mu, scale, lam)``
     (docs/operator.md, "Backward"), recomputing the tables one head chunk at a time."""
     values, (mu, scale, lam) = op.values, op.geo
@@ -442,7 +284,7 @@ def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, t
     g_muy, g_sy, g_mux, g_sx, g_lam = [], [], [], [], []  # per chunk, reduced over the rows
 
     def reduce(k, delta, mu_c, s_c, g_k, g_mu, g_s):
-        gm, gs = gaussian_rows_grad(k, delta - mu_c, s_c, g_k, inplace=ip)
+        gm, gs = core.gaussian_rows_grad(k, delta - mu_c, s_c, g_k, inplace=ip)
         g_mu.append(gm[..., 0])
         g_s.append(gs[..., 0])
 
@@ -451,7 +293,7 @@ def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, t
         v_b = op.v_cols(hs)
         u_b = op.column_pass(op.k_y(hs, ip).to(dtype), v_b, c)  # K^y is rebuilt below, not kept meanwhile
         kx = op.k_x(hs, ip)
-        w = flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
+        w = core.flush_tiny_product(kx * op.lam[:, :, hs]).to(dtype)
         g_y = g_out[:, :, :, hs].permute(0, 1, 3, 2, 4).reshape(b * gh * c, gw, dh)
         g_w = torch.bmm(g_y, u_b.transpose(1, 2)).view(b, gh, c, gw, r, gw).to(kx.dtype)  # dL/d(lam * K^x)
         del u_b
@@ -477,6 +319,6 @@ def _steered_backward(op: _Steered, grad: Tensor, chunk: int) -> tuple[Tensor, t
         return torch.stack([torch.cat(y_parts, 2).permute(col_inv), torch.cat(x_parts, 2).permute(row_inv)], -1)
 
     g_mu = token_major(g_muy, g_mux).reshape(mu.shape).to(mu.dtype)
-    g_scale = token_major(g_sy, g_sx).reshape(b, gh * gw, h, r, 2).sum_to_size(scale.shape).to(scale.dtype)
+    g_scale = token_major(g_sy, g_sx).reshape(scale.shape).to(scale.dtype)
     g_lam = torch.cat(g_lam, dim=2).permute(row_inv).reshape(lam.shape).to(lam.dtype)
-    return g_values, (g_mu, g_scale, g_lam)
+    return g_values, g_mu, g_scale, g_lam

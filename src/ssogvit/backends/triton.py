@@ -1,4 +1,6 @@
-"""The Triton backend: fused fixed-SSoG mixing (forward and backward), behind ``ops.ssog_mix(..., impl="triton")``.
+"""The Triton backend (``impl="triton"``): fused fixed-SSoG mixing, forward and backward, as the ops
+``ssogvit::triton_fixed_mix`` and ``ssogvit::triton_fixed_mix_backward`` (``torch.library.triton_op``, in
+``_triton_kernels.py``). There is no Triton kernel for the steered mixing.
 
 Triton is imported on first use only; ``import ssogvit`` never needs it. The kernel runs on CUDA tensors, or on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before first use; the tests do this).
@@ -11,23 +13,26 @@ rows and the gradients with respect to the axis kernels, computed in torch by th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 
 import torch
 from torch import Tensor
 
-from ._common import add_prefix_grad, head_grads, tf32_enabled, write_prefix_pool
-from .torch import mix_fixed
+from ssogvit import core
+
+from ._common import tf32_enabled
 
 __all__ = [
-    "auto_picks_triton",
-    "ssog_mix_triton",
+    "fixed_backward",
+    "fixed_forward",
+    "steered_backward",
+    "steered_forward",
     "tf32_enabled",
     "triton_available",
     "triton_import_error",
     "triton_usable",
+    "unsupported",
 ]
 
 _STATE: dict = {}
@@ -74,9 +79,8 @@ def _probe(device: torch.device) -> bool:
             kx = torch.softmax(torch.randn(1, 2, 4, 4, generator=g), -1).to(device)
             lam = torch.softmax(torch.randn(1, 2, generator=g), -1).to(device)
             with torch.no_grad():
-                got = _TritonMix.apply(values, ky, kx, lam, 3, 4)
-                want = mix_fixed(values, (3, 4), ky, kx, lam, impl="einsum", inplace=False, head_chunk=None,
-                                 grad_needed=False)
+                got = _kernels().fixed_mix(values, ky, kx, lam)
+                want = core.mix_fixed(values, (3, 4), ky, kx, lam)
             err = float((got - want).abs().max())
             if not err < 1e-3:
                 raise RuntimeError(f"probe result differs from the torch path by {err:.3g}")
@@ -92,141 +96,70 @@ def _probe(device: torch.device) -> bool:
     return _STATE[key] is None
 
 
-def triton_usable(t: Tensor, grid: tuple[int, int] | None = None, atoms: int | None = None) -> bool:
-    """Whether the Triton path can run on ``t``: a CUDA tensor whose device passed the kernel's probe (or a CPU tensor
-    under the interpreter) and Triton.
-
-    With ``grid`` and ``atoms`` also that the kernel's x-pass tiles fit the device's shared memory (for the widest
-    channel block the kernel uses, so whatever the head width)."""
-    if t.is_cuda:
-        ok = triton_available() and _probe(t.device)
-    else:
-        ok = t.device.type == "cpu" and _interpreting() and triton_available()
-    if ok and grid is not None and atoms is not None:
-        ok = _kernels().fits(int(grid[1]), int(atoms), 64, t.dtype, t.device)
-    return ok
+@torch.compiler.assume_constant_result
+def _usable(device_type: str, index: int | None) -> bool:
+    if device_type == "cuda":
+        return triton_available() and _probe(torch.device(device_type, index))
+    return device_type == "cpu" and _interpreting() and triton_available()
 
 
-def auto_picks_triton(t: Tensor, grid: tuple[int, int], atoms: int) -> bool:
-    """What ``impl="auto"`` does on ``t``: the kernel for CUDA half precision, and for float32 only where TF32 is on
-    (without it the kernel's dots are plain FMAs that spill registers); float64 and CPU stay on the torch path."""
-    if not t.is_cuda or t.dtype == torch.float64 or (t.dtype == torch.float32 and not tf32_enabled()):
-        return False
-    return triton_usable(t, grid, atoms)
+def triton_usable(t: Tensor) -> bool:
+    """Whether the kernel can run on ``t``: Triton imports, and ``t`` is a CUDA tensor whose device passed the
+    kernel's probe (or a CPU tensor under the interpreter). ``torch.compile`` takes the answer as a constant."""
+    return _usable(t.device.type, t.device.index)
 
 
-def ssog_mix_triton(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
-    """Same contract as ``ops.ssog_mix``: ``values (B, P + N, D)``, ``ky (H, R, Gh, Gh)``, ``kx (H, R, Gw, Gw)``,
-    ``lam (H, R)``; returns ``(B, P + N, D)`` with the prefix rows the mean patch value."""
-    gh, gw = (int(g) for g in grid)
+@torch.compiler.assume_constant_result
+def _fits(gw: int, atoms: int, dh: int, dtype: torch.dtype, device_type: str, index: int | None) -> bool:
+    return _kernels().fits(gw, atoms, dh, dtype, torch.device(device_type, index))
+
+
+@torch.compiler.assume_constant_result
+def _tf32() -> bool:
+    return tf32_enabled()
+
+
+def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
+    """The probe of ``ssogvit.ops``: why the kernel cannot mix ``values`` with ``operands`` (``ky, kx, lam``; ``None``:
+    it can). ``impl="auto"`` takes it for CUDA half precision, and for float32 only where TF32 is on (without it the
+    kernel's dots are plain FMAs that spill registers); float64 and the CPU stay on the other backends."""
+    if kind != "fixed":
+        return "there is no Triton kernel for the steered mixing (impl='cpu', 'stacked' or 'auto' mix it)"
+    if auto and (not values.is_cuda or values.dtype == torch.float64
+                 or (values.dtype == torch.float32 and not _tf32())):
+        return "impl='auto' takes the Triton kernel for CUDA float16 and bfloat16, and float32 with TF32 on"
     if not triton_usable(values):
         if not triton_available():
-            raise RuntimeError(f"impl='triton' needs Triton, which cannot be imported: {triton_import_error()}")
+            return f"impl='triton' needs Triton, which cannot be imported: {triton_import_error()}"
         if values.is_cuda:
             reason = _STATE.get(("probe", values.device.type, values.device.index))
-            raise RuntimeError(f"impl='triton': the kernel failed its probe on {values.device}: {reason}")
-        raise RuntimeError(
-            f"impl='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); got a {values.device} tensor"
-        )
-    b, t, d = values.shape
-    h, r = lam.shape
-    if d % h:
-        raise ValueError(f"width {d} is not divisible by {h} heads")
-    if t < gh * gw:
-        raise ValueError(f"token count {t} does not fit the grid {gh}x{gw}")
-    if tuple(ky.shape) != (h, r, gh, gh) or tuple(kx.shape) != (h, r, gw, gw):
-        raise ValueError(
-            f"kernel shapes {tuple(ky.shape)}, {tuple(kx.shape)} do not match H={h}, R={r}, grid {gh}x{gw}"
-        )
-    mod = _kernels()
-    if not mod.fits(gw, r, d // h, values.dtype, values.device):
-        raise ValueError(
-            f"impl='triton': grid width {gw} with {r} atoms in {values.dtype} needs about "
-            f"{mod.shared_bytes(gw, r, d // h, values.dtype) // 1024} KiB of shared memory per program, more than "
-            f"this device has; use impl='stacked' (impl='auto' does so by itself)"
-        )
-    return _TritonMix.apply(values, ky, kx, lam, gh, gw)
+            return f"impl='triton': the kernel failed its probe on {values.device}: {reason}"
+        return f"impl='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); got a {values.device} tensor"
+    _, kx, lam = operands
+    gw, (heads, atoms) = kx.shape[-1], lam.shape
+    dh = values.shape[-1] // heads
+    if not _fits(gw, atoms, dh, values.dtype, values.device.type, values.device.index):
+        return (f"impl='triton': grid width {gw} with {atoms} atoms in {values.dtype} needs about "
+                f"{_kernels().shared_bytes(gw, atoms, dh, values.dtype) // 1024} KiB of shared memory per program, "
+                f"more than this device has; use impl='stacked' (impl='auto' does so by itself)")
+    return None
 
 
-def _launch(src: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, dst: Tensor, grid: tuple[int, int]) -> None:
-    mod = _kernels()
-    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
-        mod.launch_mix(src, ky, kx, lam, dst, grid)
+def fixed_forward(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
+                  inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+    """``core.mix_fixed`` by the kernel (``inplace`` and ``head_chunk`` are ignored: the output is a new buffer)."""
+    return _kernels().fixed_mix(values, ky, kx, lam)
 
 
-class _TritonMix(torch.autograd.Function):
-    """Saves only the values and the kernel tables. Backward: the kernel on transposed (strided) kernels gives the
-    values' gradient; the kernels' gradients recompute the x-pass one head at a time in torch."""
-
-    @staticmethod
-    def forward(ctx, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, gh: int, gw: int) -> Tensor:
-        values = values.contiguous()
-        b, t, d = values.shape
-        p = t - gh * gw
-        out = values.new_empty(b, t, d)
-        write_prefix_pool(out, values, p)
-        _launch(values[:, p:], ky, kx.to(values.dtype), lam, out[:, p:], (gh, gw))
-        ctx.save_for_backward(values, ky, kx, lam)
-        ctx.grid = (gh, gw)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        if torch.is_grad_enabled():  # create_graph=True: the values' gradient is written by the kernel, off the tape
-            raise RuntimeError(
-                "the fused Triton SSoG kernel is once differentiable: its backward cannot be differentiated again "
-                "(create_graph=True, e.g. a gradient penalty); use impl='stacked', which can"
-            )
-        values, ky, kx, lam = ctx.saved_tensors
-        gh, gw = ctx.grid
-        b, t, d = values.shape
-        p = t - gh * gw
-        grad = grad.contiguous()
-        gp = grad[:, p:]
-        need_v, need_ky, need_kx, need_lam = ctx.needs_input_grad[:4]
-        g_values = g_ky = g_kx = g_lam = None
-        if need_v:
-            g_values = values.new_empty(b, t, d)
-            if p:
-                g_values[:, :p] = 0
-            kx_t = kx.to(values.dtype).transpose(-1, -2)
-            _launch(gp, ky.transpose(-1, -2), kx_t, lam, g_values[:, p:], (gh, gw))
-            add_prefix_grad(g_values, grad, p)
-        if need_ky or need_kx or need_lam:
-            kdt = torch.float64 if values.dtype == torch.float64 else torch.float32
-            ky_k, lam_k = ky.to(kdt), lam.to(kdt)
-            kyl = ky_k * lam_k[:, :, None, None]
-            g_kyl, g_kx = _kernel_grads(values[:, p:], gp, kyl, kx, (gh, gw), need_ky or need_lam, need_kx)
-            if need_ky:
-                g_ky = (g_kyl * lam_k[:, :, None, None]).to(ky.dtype)
-            if need_lam:
-                g_lam = (g_kyl * ky_k).sum(dim=(-1, -2)).to(lam.dtype)
-        return g_values, g_ky, g_kx, g_lam, None, None
+def fixed_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``fixed_forward`` for ``values``, ``ky``, ``kx`` and ``lam``."""
+    return _kernels().fixed_mix_backward(grad, values, ky, kx, lam)
 
 
-def _kernel_grads(v: Tensor, g: Tensor, kyl: Tensor, kx: Tensor, grid, need_kyl: bool, need_kx: bool):
-    """Gradients of ``sum(g * mix(v))`` with respect to ``kyl (H, R, Gh, Gh)`` and ``kx (H, R, Gw, Gw)``, one head at
-    a time by ``head_grads`` (in ``v``'s dtype; half-precision kernels get float32 gradients, cast back at the end)."""
-    gh, gw = grid
-    b, _, d = v.shape
-    h, r = kyl.shape[:2]
-    dh = d // h
-    vp = v.reshape(b, gh, gw, h, dh)
-    gp = g.reshape(b, gh, gw, h, dh)
-    kx_stack = kx.to(v.dtype).reshape(h, r * gw, gw)
-    ky_fold = kyl.to(v.dtype).permute(0, 2, 3, 1).reshape(h, gh, gh * r)  # columns (jy, r), as the torch backend's
-    g_kyl = torch.zeros_like(kyl) if need_kyl else None
-    g_kx = torch.zeros(kx.shape, dtype=torch.float32 if kx.dtype in (torch.float16, torch.bfloat16) else kx.dtype,
-                       device=kx.device) if need_kx else None
-    for hh in range(h):
-        g_ky_h, g_kx_h, _ = head_grads(
-            vp[:, :, :, hh].reshape(b * gh, gw, dh), gp[:, :, :, hh].reshape(b, gh, gw * dh), kx_stack[hh],
-            ky_fold[hh], need_ky=need_kyl, need_kx=need_kx, need_v=False, acc_dtype=kyl.dtype,
-        )
-        if need_kyl:
-            g_kyl[hh] = g_ky_h.view(gh, gh, r).permute(2, 0, 1)
-        if need_kx:
-            g_kx[hh] = g_kx_h.view(r, gw, gw).to(g_kx.dtype)
-    if need_kx:
-        g_kx = g_kx.to(kx.dtype)
-    return g_kyl, g_kx
+def steered_forward(*args, **kwargs) -> Tensor:
+    """There is no Triton kernel for the steered mixing (``unsupported`` says so before this is reached)."""
+    raise RuntimeError(unsupported("steered", args[0], auto=False))
+
+
+steered_backward = steered_forward

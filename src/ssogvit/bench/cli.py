@@ -40,6 +40,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     add("--no-memory", action="store_true", help="skip the peak-memory call")
     add("--memory", default="allocator", choices=["allocator", "resident", "both"], help="CPU peak memory measure")
     add("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
+    add("--compile", action="store_true", help="torch.compile each point's forward (the first warm-up call: compile_s)")
     add("--launcher", default="forkserver", choices=["forkserver", "spawn"], help="how a point's process starts")
     add("--repeats", type=POSITIVE.argparse, default=1, help="rounds of fresh processes; each point keeps its best")
     add("--repeat-below-ms", type=POSITIVE_NUMBER.argparse, help="repeat only points first timed below this")
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--overwrite", action="store_true", help="replace the flops files there")
     o = sub.add_parser("operator", help="one mixer alone against attention at each resolution's token count")
     o.add_argument("--mixers", nargs="+", default=["torch-mha", "mha", "ssog"], help="registered mixer names, "
-                   "options after a colon (ssog:impl=loop,num_atoms=4), torch-mha: torch.nn.MultiheadAttention")
+                   "options after a colon (ssog:impl=einsum,num_atoms=4), torch-mha: torch.nn.MultiheadAttention")
     o.add_argument("--impls", nargs="+", default=None, help="each SSoG mixer once per implementation ('all')")
     o.add_argument("--dim", type=EMBED_DIM.argparse, default=768)
     o.add_argument("--heads", type=NUM_HEADS.argparse, default=12)
@@ -114,7 +115,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
     dtype = args.dtype if args.dtype != "auto" else "fp16" if device == "cuda" else "fp32"
     return dict(warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=dtype, mode=args.mode,
                 threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
-                memory=args.memory, flush_denormal=args.flush_denormal)
+                memory=args.memory, flush_denormal=args.flush_denormal, compile=args.compile)
 
 
 def _claim(out: str | Path, files: list[str], overwrite: bool) -> Path:

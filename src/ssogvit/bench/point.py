@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import statistics
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -163,10 +164,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         stage = "build"
         module, forward, x, info = _build(spec, device)
         result.update(info, params=sum(p.numel() for p in module.parameters()))
+        if spec.get("compile"):
+            forward = torch.compile(forward)
         step, opt = make_step(module, forward, device=device, precision=spec.get("dtype", "fp32"), train=train)
         stage = "warm-up"
-        for _ in range(int(spec.get("warmup", 10))):
+        for i in range(int(spec.get("warmup", 10))):
+            start = time.perf_counter()
             step()
+            if i == 0 and spec.get("compile"):
+                result["compile_s"] = time.perf_counter() - start
         if int(spec.get("iters", 50)) > 0:
             stage = "timing"
             result.update(_time(step, iters=int(spec.get("iters", 50)), blocks=int(spec.get("blocks", 3)),

@@ -1,5 +1,5 @@
 """The sweeps as points and tables (docs/benchmarks.md): a mixer alone (a registered name or ``"torch-mha"``, options
-after a colon: ``"ssog:impl=loop"``) against attention at each resolution's token count, and whole models
+after a colon: ``"ssog:impl=einsum"``) against attention at each resolution's token count, and whole models
 ``"{family}-{size}-{mixer}"``, each compared with its family's baselines (the paper's first); power-law fits; tables
 and figures of the rows."""
 
@@ -68,7 +68,7 @@ def parse_value(text: str) -> Any:
 
 
 def parse_mixer(text: str) -> tuple[str, dict[str, Any], str]:
-    """``"ssog:impl=loop,num_atoms=8"`` -> ``("ssog", {"impl": "loop", "num_atoms": 8}, label)``."""
+    """``"ssog:impl=einsum,num_atoms=8"`` -> ``("ssog", {"impl": "einsum", "num_atoms": 8}, label)``."""
     name, _, rest = text.partition(":")
     options: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):

@@ -7,10 +7,9 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssogvit import ops, reference
+from ssogvit import core, ops, reference
 from ssogvit.backends.torch import default_head_chunk
 from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
 
@@ -63,8 +62,9 @@ class SSoGAttention(nn.Module):
         proj_bias: bias of the output projection (``None``: as ``bias``).
         prefix_pool: ``"mean"`` (prefix tokens get the mean patch value) or ``"none"`` (no prefix tokens allowed).
         proj_drop: dropout after the output projection.
-        impl: fixed-field contraction, one of ``SSOG_IMPLS`` (``"auto"``: the fused Triton kernel on CUDA when Triton
-            imports; ``"triton"`` fails at call time on a CPU tensor, or without Triton, and says why).
+        impl: the backend that mixes, one of ``SSOG_IMPLS`` (``"auto"``: the first that takes the input, see
+            ``ops.ssog_mix``; a backend asked for by name that cannot mix the input, ``"triton"`` on a CPU tensor or
+            for the steered mixing, say, fails at call time and says why).
         head_chunk: heads per chunk: of the steered kernel tables, or of the fixed field's batched matmuls in
             inference (``None``: chosen from the problem size; see ``ops.ssog_mix``).
         cache_kernels: reuse the fixed-field kernel tables between calls while neither the parameters nor the grid
@@ -168,7 +168,11 @@ class SSoGAttention(nn.Module):
         return ky, kx
 
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        use_cache = self.cache_kernels and not torch.is_grad_enabled() and not ops.functional_only()
+        """``(K^y, K^x, lambda)`` in ``dtype``; in inference (no grad, not traced or compiled) kept until the parameters
+        or the grid change. Under ``torch.compile`` the tables are always built, inside the compiled graph: the cache
+        is Python state the compiler would have to guard on."""
+        use_cache = (self.cache_kernels and not torch.is_grad_enabled() and not core.functional_only()
+                     and not torch.compiler.is_compiling())
         if use_cache:
             params = (self.mu, self.rho, self.ell, self.theta)
             key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
@@ -180,6 +184,12 @@ class SSoGAttention(nn.Module):
             self._kernel_cache = (key, tables)
         return tables
 
+    def _steering(self) -> tuple[Tensor, ...]:
+        """The steering parameters in ``core.token_geometry``'s order: the gates' ``alpha``, then each map's weight
+        and bias."""
+        maps = [getattr(self, f"{p}_steer") for p in self.steer]
+        return (*(getattr(self, f"alpha_{p}") for p in self.steer), *(t for m in maps for t in (m.weight, m.bias)))
+
     def geometry(self, x_patches: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token geometry predicted from the (normalised) patch tokens ``(B, N, D)``.
 
@@ -187,32 +197,8 @@ class SSoGAttention(nn.Module):
             ``mu (B, N, H, R, 2)``, ``sigma (B, N, H, R, 2)``, ``lambda (B, N, H, R)``; paths that are not steered
             are the fixed field broadcast over tokens.
         """
-        return self._steered_geometry(*self._geometry_inputs(x_patches))[:3]
-
-    def _geometry_inputs(self, x_patches: Tensor) -> tuple[Tensor, ...]:
-        """What the geometry is a function of: the tokens, the field and, per steered path, its gates and map."""
-        maps = [getattr(self, f"{p}_steer") for p in self.steer]
-        gates = self.gates()
-        return (x_patches, self.mu, self.sigma(), self.ell, self.tau(), *(gates[p] for p in self.steer),
-                *(t for m in maps for t in (m.weight, m.bias)))
-
-    def _steered_geometry(self, x_patches: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, tau: Tensor,
-                          *steering: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(mu, sigma, lambda, tau)`` per token from ``_geometry_inputs``: a pure function of them, which the
-        steered mixing recomputes in backward instead of keeping its intermediates (``ops.ssog_mix_steered_from``)."""
-        b, n, _ = x_patches.shape
-        h, r, k = self.num_heads, self.num_atoms, len(self.steer)
-        gates, maps = steering[:k], steering[k:]
-        # the enabled steering maps run as one matmul over their stacked weights
-        weight = torch.cat(maps[0::2]) if k > 1 else maps[0]
-        bias = torch.cat(maps[1::2]) if k > 1 else maps[1]
-        raw = F.linear(x_patches, weight, bias).split([w.shape[0] for w in maps[0::2]], dim=-1)
-        residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(self.steer, raw)}
-        mu, sigma, lam = ops.steered_geometry(
-            mu.expand(b, n, h, r, 2), sigma.expand(b, n, h, r, 2), ell.expand(b, n, h, r), residuals,
-            dict(zip(self.steer, gates)), radius=self.radius,
-        )
-        return mu, sigma, lam, tau
+        return core.token_geometry(x_patches, self.mu, self.sigma(), self.ell, *self._steering(), steer=self.steer,
+                                   radius=self.radius)
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -241,17 +227,17 @@ class SSoGAttention(nn.Module):
             raise ValueError(f"got {p} prefix tokens but prefix_pool='none'; use prefix_pool='mean'")
         values = self.v(x)  # (B, P + N, D); the prefix rows of the output are the mean of the patch rows
         # Without autograd the values are this call's own buffer, so the mixing writes over them (one activation
-        # less at the peak). Never while tracing or exporting (``ops.functional_only``).
+        # less at the peak); not when traced, exported or compiled (the compiler plans the buffers itself).
         training = torch.is_grad_enabled() and values.requires_grad
-        inplace = not training and not ops.functional_only()
+        inplace = not training and not core.functional_only() and not torch.compiler.is_compiling()
         if self.steer:
             chunk = self.head_chunk or default_head_chunk(
                 (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
                 itemsize=values.element_size(),
             )
-            mixed = ops.ssog_mix_steered_from(
-                values, (gh, gw), self._steered_geometry, self._geometry_inputs(x[:, p:]), head_chunk=chunk,
-                inplace=inplace,
+            mixed = ops.ssog_mix_steered_by_tokens(
+                values, (gh, gw), x[:, p:], self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
+                steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
             )
         else:
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["read_epoch_metrics", "plot_training_curves", "CURVES"]
@@ -29,10 +29,19 @@ def read_epoch_metrics(run_dir: str | Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def plot_training_curves(runs: Mapping[str, str | Path], path: str | Path, *, title: str | None = None) -> Path | None:
-    """One PNG with a panel per `CURVES` metric and a line per run (label -> run folder), epochs from 1.
+def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], path: str | Path, *,
+                         title: str | None = None, overwrite: bool = False) -> Path | None:
+    """One PNG with a panel per `CURVES` metric and a line per label, epochs from 1.
 
-    Returns the path, or None when no run has a CSV log to draw from (e.g. `logger=[]`).
+    Args:
+        runs: label -> a run folder, or several (seeds of one configuration): then the line is their mean at each
+            epoch that every one of them logged, and a band spans the lowest to the highest run.
+        path: the PNG to write.
+        title: the figure's title.
+        overwrite: replace `path` if it exists (otherwise an existing file is refused, `ssogvit.outputs`).
+
+    Returns:
+        The path, or None when no run has a CSV log to draw from (e.g. `logger=[]`).
     """
     import matplotlib
 
@@ -40,27 +49,36 @@ def plot_training_curves(runs: Mapping[str, str | Path], path: str | Path, *, ti
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    metrics = {label: read_epoch_metrics(folder) for label, folder in runs.items()}
-    if not any(metrics.values()):
+    folders = {label: [f] if isinstance(f, (str, Path)) else list(f) for label, f in runs.items()}
+    metrics = {label: [read_epoch_metrics(f) for f in group] for label, group in folders.items()}
+    if not any(any(found) for found in metrics.values()):
         return None
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.6 * len(CURVES), 3.8), constrained_layout=True)
     for ax, (key, name) in zip(axes, CURVES):
-        for label, found in metrics.items():
-            points = sorted((e, v) for e, v in found.get(key, {}).items() if math.isfinite(v))
-            if points:
-                ax.plot([e + 1 for e, _ in points], [v for _, v in points], marker="o", markersize=3, label=label)
+        for label, group in metrics.items():
+            series = [{e: v for e, v in found.get(key, {}).items() if math.isfinite(v)} for found in group]
+            epochs = sorted(set.intersection(*(set(s) for s in series))) if series else []
+            if not epochs:
+                continue
+            values = [[s[e] for s in series] for e in epochs]
+            x = [e + 1 for e in epochs]
+            line, = ax.plot(x, [sum(v) / len(v) for v in values], marker="o", markersize=3, label=label)
+            if len(series) > 1:
+                ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
+                                alpha=0.15, linewidth=0)
         ax.set_title(name)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[-1].legend(fontsize="small")
     if title:
         fig.suptitle(title)
     from ssogvit.outputs import atomic_write
 
     path = Path(path)
-    try:  # the caller's own fresh folder (`ssogvit main`): the one writer, a kill leaves the old file or nothing
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the one writer (ssogvit.outputs): a kill leaves the old file or nothing
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=overwrite)
     finally:
         plt.close(fig)
     return path

@@ -8,7 +8,11 @@ into `--out`:
 - `table<N>.md` for each paper table that the runs belong to (or only `--table N`): every row of the table with the
   paper's Acc@1 beside our best and final validation top-1, the dataset and the epochs run, and `runs.md` for runs
   that reproduce no paper row;
-- `curves.png`: training and validation loss, and validation top-1, against epoch, every run on the same axes.
+- `curves.png`: training and validation loss, and validation top-1, against epoch, every run on the same axes;
+- for runs of CPU-sized twins of the paper's runs (experiments whose `meta.paper_experiment` names a paper run, the
+  `digits8_*` family: docs/reproduction.md), `reproduction.md`: per family and head, each mixer's final validation
+  top-1 as mean ± sd over the seeds, our gaps to MHA beside the paper's, and `reproduction_curves.png` (the mean over
+  the seeds of each configuration, with a band from the lowest to the highest seed).
 
 Existing files are never overwritten unless `--overwrite` is given; the files are written together (all or none,
 `ssogvit.outputs.staged_outputs`) and only after every run folder has been read.
@@ -26,7 +30,7 @@ from ssogvit.errors import report_errors
 from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
-__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "plot_curves", "main"]
+__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "gaps_markdown", "plot_curves", "main"]
 
 
 class ReportError(InputError):
@@ -43,6 +47,11 @@ class RunLog:
     max_epochs: int
     rows: list[dict[str, Any]]
     series: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> {epoch: value}
+    family: str = ""
+    mixer: str = ""
+    head: str = "token"
+    seed: int = 0
+    paper_top1: float | None = None  # the Acc@1 of the paper's run this run is a CPU-sized twin of (meta.paper_top1)
 
     @property
     def epochs_done(self) -> int:
@@ -75,8 +84,13 @@ def read_run(path: str | Path) -> RunLog:
     try:
         meta = cfg.get("meta") or {}
         rows = list(meta.get("rows") or [])
+        model = cfg.get("model") or {}
         run = RunLog(path=path, name=str(cfg.get("name", path.name)), data=str(cfg["data"]["name"]),
-                     max_epochs=int(cfg["trainer"]["max_epochs"]), rows=rows)
+                     max_epochs=int(cfg["trainer"]["max_epochs"]), rows=rows, family=str(model.get("family", "")),
+                     mixer=str(model.get("mixer", "")),
+                     head=str((model.get("kwargs") or {}).get("global_pool") or "token"),
+                     seed=int(cfg.get("seed", 0)),
+                     paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]))
         for m in rows:
             int(m["table"]), str(m["row"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -139,6 +153,50 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
                 lines.append(f"| {m['row']} (not in the current configs) | {run.name} | {_fmt(m.get('top1'))} "
                              f"| {ours(run)} |")
     title = f"Table {table}: the paper's Acc@1 beside ours (validation top-1, %; epochs counted from 1)."
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+GAP_MIXERS = ("mha", "ssog", "ssog-steered")
+
+
+def _mean_sd(values: list[float]) -> str:
+    import statistics
+
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
+
+
+def gaps_markdown(runs: list[RunLog]) -> str:
+    """Our CPU-sized twins of the paper's runs beside the paper: per family and head, each mixer's final validation
+    top-1 as mean ± sample sd over its seeds, and SSoG's gaps to MHA (mean of ours, with every seed's gap when the
+    seeds pair up) beside the paper's gaps (from each run's `meta.paper_top1`)."""
+    import statistics
+
+    groups: dict[tuple[str, str], dict[str, list[RunLog]]] = {}
+    for run in runs:
+        groups.setdefault((run.family, run.head), {}).setdefault(run.mixer, []).append(run)
+    head = ("| family | head | MHA | SSoG | steered SSoG | SSoG - MHA | paper | steered - MHA | paper | seeds |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    order = {"vit": 0, "looped": 1, "ode": 2}
+    for (family, pool), by_mixer in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        finals = {m: {r.seed: r.final_top1() for r in by_mixer.get(m, [])} for m in GAP_MIXERS}
+        cells = [_mean_sd(list(finals[m].values())) if finals[m] else "not run" for m in GAP_MIXERS]
+        paper = {m: (by_mixer[m][0].paper_top1 if by_mixer.get(m) else None) for m in GAP_MIXERS}
+        gaps = []
+        for m in ("ssog", "ssog-steered"):
+            if not (finals[m] and finals["mha"]):
+                gaps += ["", ""]
+                continue
+            gap = statistics.fmean(finals[m].values()) - statistics.fmean(finals["mha"].values())
+            paired = sorted(set(finals[m]) & set(finals["mha"]))
+            per_seed = ", ".join(f"{finals[m][s] - finals['mha'][s]:+.1f}" for s in paired)
+            gaps.append(f"**{gap:+.2f}** ({per_seed})")
+            gaps.append(f"{paper[m] - paper['mha']:+.2f}" if paper[m] is not None and paper["mha"] is not None
+                        else "missing")
+        seeds = sorted({s for m in GAP_MIXERS for s in finals[m]})
+        lines.append(f"| {family} | {pool} | " + " | ".join(cells) + " | " + " | ".join(gaps)
+                     + f" | {', '.join(map(str, seeds))} |")
+    title = ("Final validation top-1 (%), mean ± sample standard deviation over the seeds; gaps: mean of ours "
+             "(per seed, paired by seed) beside the paper's CIFAR-100 gap at D=768.")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -208,13 +266,17 @@ def _report(args: argparse.Namespace) -> list[Path]:
             raise ReportError(f"run(s) {', '.join(outside)} reproduce no row of Table {args.table} (their config's "
                               "meta.rows); leave out --table to report every table they belong to")
         tables = [args.table]
-    outputs: dict[Path, str | None] = {}
+    outputs: dict[Path, Any] = {}  # markdown text, None (curves.png) or the runs of reproduction_curves.png
     out = check_output_folder(args.out, "--out")
     for t in tables:
         outputs[out / f"table{t}.md"] = table_markdown(t, experiment_rows(t), runs)
     loose = [r for r in runs if not r.rows]
     if loose and args.table is None:
         outputs[out / "runs.md"] = table_markdown(None, [], loose)
+    twins = [r for r in runs if r.paper_top1 is not None]
+    if twins and args.table is None:
+        outputs[out / "reproduction.md"] = gaps_markdown(twins)
+        outputs[out / "reproduction_curves.png"] = twins
     outputs[out / "curves.png"] = None
     existing = [str(p) for p in outputs if p.exists()]
     if existing and not args.overwrite:
@@ -224,6 +286,19 @@ def _report(args: argparse.Namespace) -> list[Path]:
         for p, text in outputs.items():
             if text is None:
                 plot_curves(runs, stage / p.name)
+            elif isinstance(text, list):
+                _plot_twin_curves(text, stage / p.name)
             else:
                 (stage / p.name).write_text(text)
     return list(outputs)
+
+
+def _plot_twin_curves(runs: list[RunLog], path: Path) -> None:
+    """Each (family, mixer, head) of the twins as the mean of its seeds, with a lowest-to-highest band."""
+    from .curves import plot_training_curves
+
+    groups: dict[str, list[Path]] = {}
+    for run in sorted(runs, key=lambda r: (r.family, GAP_MIXERS.index(r.mixer) if r.mixer in GAP_MIXERS else 9)):
+        groups.setdefault(f"{run.family} {run.mixer} ({run.head})", []).append(run.path)
+    plot_training_curves(groups, path, title="CPU-sized twins of the paper's runs: mean over seeds (band: range)",
+                         overwrite=True)  # a fresh staging folder: `_report` has refused existing files unless asked

@@ -107,7 +107,10 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
 def _run_model_config(cfg: DictConfig, dm) -> dict[str, Any]:
     src = cfg.transfer.ckpt
     if not src:
-        return model_config_from(cfg)
+        config = model_config_from(cfg)
+        if config.get("num_classes") is None:  # data.num_classes null (imagefolder): the classes the data have
+            config["num_classes"] = int(dm.num_classes)
+        return config
     config = read_model_config(src)  # the source architecture, with a new head for the target classes
     config["num_classes"] = int(dm.num_classes)
     if int(config.get("in_chans", 3)) != int(dm.in_chans):

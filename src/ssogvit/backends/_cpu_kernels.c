@@ -1,0 +1,439 @@
+/* SSoG on the CPU (docs/operator.md, "Backends"; compiled, loaded and registered as torch ops by
+ * ssogvit/backends/cpu.py).
+ *
+ * Kernel rows, built the R rows of a row of queries at a time in cache:
+ *
+ *     row[r, j] = lam_r * flush(softmax_j(-((j - q - mu_r) s_r)^2)),   then flushed again,
+ *
+ * (lam = 1 when no weights are given; flush(k) = 0 where k <= the type's smallest normal number): the arithmetic of
+ * ssogvit.core.gaussian_rows followed, for weighted rows, by core.flush_tiny_product. NaN and infinities go through
+ * as IEEE arithmetic takes them (the library is compiled without -ffinite-math-only): a NaN in a row's geometry
+ * makes the whole row NaN, as torch's softmax does.
+ *
+ * ssog_mix_*:        the whole mixing of the patch tokens (inference, a training step's forward), steered or fixed,
+ *                    one (image, head) at a time: for each query row iy, the column pass
+ *                    U[r, k] = sum_jy K^y(g_(iy,k))[r, iy, jy] V[jy, k] for all columns k, then the row pass
+ *                    out[iy, ix] = sum_(r,k) W(g_(iy,ix))[r, ix, k] U[r, k]; a head's result is kept aside and
+ *                    written at the end, so `out` may be the values themselves.
+ * ssog_mix_grad_*:   the steered mixing's backward, in the same order.
+ * ssog_fixed_grad_*: the fixed mixing's backward, one source row at a time (the factorisation of the torch
+ *                    backend's, so that non-finite numbers land where they land there). */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+/* Each thread flushes denormal results to zero while it works (MXCSR's FTZ bit, restored at the end; x86 only): a
+ * kernel entry just above the smallest normal number times a value below 1 is a denormal product, and an FMA that
+ * makes one runs several times slower (the fixed mixing at 512 px took 2x as long). Such a product is below 1e-38,
+ * far below the rounding of any sum it joins; NaN and infinities are unaffected, and denormal inputs stay as they
+ * are (no DAZ). */
+static inline unsigned ftz_enter(void) {
+#if defined(__SSE__)
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8000);
+    return csr;
+#else
+    return 0;
+#endif
+}
+
+static inline void ftz_leave(unsigned csr) {
+#if defined(__SSE__)
+    _mm_setcsr(csr);
+#else
+    (void)csr;
+#endif
+}
+
+/* Work at least this large (entries of tables, multiply-adds of the mixing) is split between the OpenMP threads (the
+ * library links the libgomp that PyTorch has already loaded, so torch.set_num_threads applies). */
+#define PARALLEL_ENTRIES 32768
+
+/* The loop over the (image, head) units of a kernel: split between `threads` OpenMP threads where a unit's `macs` are
+ * many enough, dynamically (units differ in cost), each thread flushing denormal results while it works. */
+#define SSOG_UNITS_BEGIN                                                                                              \
+    _Pragma("omp parallel num_threads(threads) if (macs >= PARALLEL_ENTRIES)") {                                      \
+        unsigned csr = ftz_enter();                                                                                   \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
+        for (int64_t unit = 0; unit < units; ++unit) {
+#define SSOG_UNITS_END                                                                                                \
+        }                                                                                                             \
+        ftz_leave(csr);                                                                                               \
+    }
+
+/* The R rows of `count` queries, rows n long, one query after the other in `o`: query c has the index qi + c * dq,
+ * its rows' mu and s start at c * qs and lie `es` elements apart, and its weights lam (if any) start at c * lqs. */
+#define SSOG_QUERY_ROWS(NAME, T, EXP, HUGE, TINY, LOW)                                                                \
+    static inline void NAME(T *o, const T *mu, const T *s, const T *lam, int64_t es, int64_t qs, int64_t lqs,         \
+                            int64_t count, int qi, int dq, int n, int64_t r) {                                        \
+        int64_t block = count * r * n;                                                                                \
+        for (int64_t c = 0; c < count; ++c) {                                                                         \
+            int q = qi + (int)c * dq;                                                                                 \
+            for (int64_t ri = 0; ri < r; ++ri) { /* logits minus the row's largest, as the softmax does */            \
+                T centre = mu[c * qs + ri * es], sc = s[c * qs + ri * es], top = -HUGE;                               \
+                T *row = o + (c * r + ri) * n;                                                                        \
+                for (int j = 0; j < n; ++j) { /* int: AVX2 converts 32-bit ints to floats, not 64-bit ones */         \
+                    T z = ((T)(j - q) - centre) * sc, logit = -(z * z);                                               \
+                    row[j] = logit;                                                                                   \
+                    top = logit > top ? logit : top;                                                                  \
+                }                                                                                                     \
+                for (int j = 0; j < n; ++j)                                                                           \
+                    row[j] -= top;                                                                                    \
+            }                                                                                                         \
+        }                                                                                                             \
+        /* exp over all rows at once (long vectors); arguments below LOW, whose exp is below the type's smallest      \
+           normal number, are clamped into exp's fast range and then zeroed (a NaN stays NaN: no fmax here) */        \
+        for (int64_t j = 0; j < block; ++j) {                                                                         \
+            T x = o[j], e = EXP(x < LOW ? LOW : x);                                                                   \
+            o[j] = x < LOW ? (T)0 : e;                                                                                \
+        }                                                                                                             \
+        for (int64_t c = 0; c < count; ++c) {                                                                         \
+            for (int64_t ri = 0; ri < r; ++ri) { /* normalise, flush, weight, flush */                                \
+                T *row = o + (c * r + ri) * n, sum = 0, w = lam ? lam[c * lqs + ri] : (T)1;                           \
+                for (int j = 0; j < n; ++j)                                                                           \
+                    sum += row[j];                                                                                    \
+                T inv = (T)1 / sum;                                                                                   \
+                for (int j = 0; j < n; ++j) {                                                                         \
+                    T v = row[j] * inv;                                                                               \
+                    v = (v <= TINY ? (T)0 : v) * w;                                                                   \
+                    row[j] = v <= TINY ? (T)0 : v;                                                                    \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+
+/* c[i, :dh] (+)= sum_j a[i, j] b[j, :dh] for i < m, j < kk (a[i, j] at a + i lda + j acs; rows of b and c ldb, ldc
+ * apart; added to c when `add`): both passes of the mixing and of its backward. Tiles
+ * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
+ * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
+ * only its own. */
+/* The register vectors of the products: 64 bytes where the flags allow AVX-512 (backends/cpu.py passes them on such
+ * CPUs), 32 bytes (AVX2, or pairs of narrower registers) elsewhere. */
+#ifdef __AVX512F__
+#define VEC_BYTES 64
+#else
+#define VEC_BYTES 32
+#endif
+typedef float f32_vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(float))));
+typedef double f64_vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(double))));
+
+#define SSOG_GEMM(NAME, T, VEC)                                                                                       \
+    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, int64_t acs, const T *b, int64_t ldb,         \
+                            int64_t m, int64_t kk, int64_t dh, int add) {                                             \
+        typedef VEC vec;                                                                                              \
+        enum { W = VEC_BYTES / sizeof(T) };                                                                           \
+        for (int64_t m0 = 0; m0 < m; m0 += 4) {                                                                       \
+            int64_t mr = m - m0 < 4 ? m - m0 : 4;                                                                     \
+            const T *a0 = a + m0 * lda, *a1 = a0 + (mr > 1) * lda, *a2 = a0 + (mr > 2) * 2 * lda,                     \
+                    *a3 = a0 + (mr > 3) * 3 * lda;                                                                    \
+            T *c0 = c + m0 * ldc;                                                                                     \
+            int64_t d0 = 0;                                                                                           \
+            for (; d0 + 2 * W <= dh; d0 += 2 * W) {                                                                   \
+                vec s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};           \
+                for (int64_t j = 0; j < kk; ++j) {                                                                    \
+                    vec b0 = *(const vec *)(b + j * ldb + d0), b1 = *(const vec *)(b + j * ldb + d0 + W);             \
+                    T x0 = a0[j * acs], x1 = a1[j * acs], x2 = a2[j * acs], x3 = a3[j * acs];                         \
+                    s00 += x0 * b0, s01 += x0 * b1, s10 += x1 * b0, s11 += x1 * b1;                                   \
+                    s20 += x2 * b0, s21 += x2 * b1, s30 += x3 * b0, s31 += x3 * b1;                                   \
+                }                                                                                                     \
+                vec tile[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};                                    \
+                for (int64_t i = 0; i < mr; ++i) {                                                                    \
+                    vec *o0 = (vec *)(c0 + i * ldc + d0), *o1 = (vec *)(c0 + i * ldc + d0 + W);                       \
+                    *o0 = add ? *o0 + tile[i][0] : tile[i][0];                                                        \
+                    *o1 = add ? *o1 + tile[i][1] : tile[i][1];                                                        \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (; d0 + W <= dh; d0 += W) { /* then one vector at a time */                                           \
+                vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                           \
+                for (int64_t j = 0; j < kk; ++j) {                                                                    \
+                    vec b0 = *(const vec *)(b + j * ldb + d0);                                                        \
+                    s0 += a0[j * acs] * b0, s1 += a1[j * acs] * b0, s2 += a2[j * acs] * b0, s3 += a3[j * acs] * b0;   \
+                }                                                                                                     \
+                vec tile[4] = {s0, s1, s2, s3};                                                                       \
+                for (int64_t i = 0; i < mr; ++i) {                                                                    \
+                    vec *o = (vec *)(c0 + i * ldc + d0);                                                              \
+                    *o = add ? *o + tile[i] : tile[i];                                                                \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (int64_t i = 0; i < mr; ++i) /* widths that are not a multiple of W: the rest one by one */           \
+                for (int64_t d = d0; d < dh; ++d) {                                                                   \
+                    T sum = add ? c0[i * ldc + d] : (T)0;                                                             \
+                    for (int64_t j = 0; j < kk; ++j)                                                                  \
+                        sum += a[(m0 + i) * lda + j * acs] * b[j * ldb + d];                                          \
+                    c0[i * ldc + d] = sum;                                                                            \
+                }                                                                                                     \
+        }                                                                                                             \
+    }
+
+/* The mixing of the patch tokens of `b` images: values v and out (B, P + N, H * dh) with rows `*_st` and images `*_sb`
+ * elements apart (unit stride within a row). Steered: mu, s contiguous (B, N, H, R, 2), lam (B, N, H, R), and
+ * ky = wx = NULL. Fixed: mu = s = lam = NULL and the field's tables, lam K^y (H, R, Gh, Gh) flushed as `ky` and
+ * K^x laid out (H, Gw, R, Gw) for the row pass (`wx`), both contiguous (core.mix_fixed's lam K^y and K^x: the
+ * torch backend's factors, so that exact zeros, and the non-finite numbers they meet, are the same). `work`:
+ * ssog_mix_work(...) numbers for each of `threads` threads (allocated by the caller, so that PyTorch's allocator
+ * counts them). */
+int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * gw;
+}
+
+#define SSOG_MIX(NAME, ROWS, GEMM, T)                                                                                 \
+    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, const T *ky, const T *wx, T *work,           \
+              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t o_sb, int64_t o_st, int64_t p,          \
+              int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {                                         \
+        int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                                  \
+        int64_t macs = n * r * (gh + gw) * dh; /* per unit: units this large go to the threads */                     \
+        SSOG_UNITS_BEGIN                                                                                              \
+            int64_t bi = unit / heads, h = unit % heads;                                                              \
+            /* the head's values column by column (each column pass reads one column, contiguous), its result,        \
+               U[ri, k] for one row of queries, and that row's tables */                                              \
+            T *mixed = work + omp_get_thread_num() * size, *cols = mixed + n * dh, *u = cols + n * dh;                \
+            T *tab = u + r * gw * dh;                                                                                 \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh;                                                          \
+            for (int64_t t = 0; t < n; ++t)                                                                           \
+                memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
+            for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
+                /* column pass, U[:, k] for each column k: the y-rows of the tokens (iy, k) (steered: built here;     \
+                   fixed: row iy of the field's table, atoms Gh * Gh apart) */                                        \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                                \
+                const T *rows_y = ky ? ky + (h * r * gh + iy) * gh : tab;                                             \
+                if (!ky)                                                                                              \
+                    ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);        \
+                for (int64_t k = 0; k < gw; ++k)                                                                      \
+                    GEMM(u + k * dh, gw * dh, ky ? rows_y : rows_y + k * r * gh, ky ? gh * gh : gh, 1,                \
+                         cols + k * gh * dh, dh, r, gh, dh, 0);                                                       \
+                /* row pass: the weighted x-rows of the queries (iy, ix) */                                           \
+                if (!ky)                                                                                              \
+                    ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1,       \
+                         (int)gw, r);                                                                                 \
+                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, r * gw, 1, u, dh, gw, r * gw, dh, 0); \
+            }                                                                                                         \
+            T *ob = out + bi * o_sb + p * o_st + h * dh;                                                              \
+            for (int64_t t = 0; t < n; ++t)                                                                           \
+                memcpy(ob + t * o_st, mixed + t * dh, sizeof(T) * dh);                                                \
+        SSOG_UNITS_END                                                                                                \
+    }
+
+/* c[i ldc + j cs] (+)= sum_d a[i lda + d] b[j ldb + d] for i < m, j < nn, d < kk (long: the fixed backward's
+ * dL/dKyl = G U^T over a row of queries). Tiles of 4 rows of a by NT_J rows of b keep 4 NT_J vector accumulators in
+ * registers while d goes by (a tile at an edge repeats its last row and stores only its own), the lanes are summed
+ * at the end, the last kk % W terms one by one. */
+#if VEC_BYTES == 64
+#define NT_J 4 /* 16 accumulators of the 32 AVX-512 registers */
+#else
+#define NT_J 2
+#endif
+#define SSOG_GEMM_NT(NAME, T, VEC)                                                                                \
+    static inline void NAME(T *c, int64_t ldc, int64_t cs, const T *a, int64_t lda, const T *b, int64_t ldb,      \
+                            int64_t m, int64_t nn, int64_t kk, int add) {                                         \
+        typedef VEC vec;                                                                                          \
+        enum { W = VEC_BYTES / sizeof(T) };                                                                       \
+        int64_t kv = kk / W * W;                                                                                  \
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {                                                                   \
+            int64_t mi = m - i0 < 4 ? m - i0 : 4;                                                                 \
+            const T *ra[4];                                                                                       \
+            for (int i = 0; i < 4; ++i)                                                                           \
+                ra[i] = a + (i0 + (i < mi ? i : mi - 1)) * lda;                                                   \
+            for (int64_t j0 = 0; j0 < nn; j0 += NT_J) {                                                           \
+                int64_t nj = nn - j0 < NT_J ? nn - j0 : NT_J;                                                     \
+                const T *rb[NT_J];                                                                                \
+                for (int j = 0; j < NT_J; ++j)                                                                    \
+                    rb[j] = b + (j0 + (j < nj ? j : nj - 1)) * ldb;                                               \
+                vec acc[4][NT_J] = {{{0}}};                                                                       \
+                for (int64_t d = 0; d < kv; d += W) {                                                             \
+                    vec y[NT_J];                                                                                  \
+                    for (int j = 0; j < NT_J; ++j)                                                                \
+                        y[j] = *(const vec *)(rb[j] + d);                                                         \
+                    for (int i = 0; i < 4; ++i) {                                                                 \
+                        vec x = *(const vec *)(ra[i] + d);                                                        \
+                        for (int j = 0; j < NT_J; ++j)                                                            \
+                            acc[i][j] += x * y[j];                                                                \
+                    }                                                                                             \
+                }                                                                                                 \
+                for (int64_t i = 0; i < mi; ++i)                                                                  \
+                    for (int64_t j = 0; j < nj; ++j) {                                                            \
+                        T sum = 0;                                                                                \
+                        for (int l = 0; l < W; ++l)                                                               \
+                            sum += acc[i][j][l];                                                                  \
+                        for (int64_t d = kv; d < kk; ++d)                                                         \
+                            sum += ra[i][d] * rb[j][d];                                                           \
+                        T *o = c + (i0 + i) * ldc + (j0 + j) * cs;                                                \
+                        *o = add ? *o + sum : sum;                                                                \
+                    }                                                                                             \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+
+/* c[i ldc + j] (+)= sum_d a[i lda + d] b[j ldb + d] for i < m, j < nn, d < kk when kk is short (a head's width):
+ * b transposed into `scratch` (kk rows of P = nn rounded up to a vector, zero-padded), so that the product is one
+ * GEMM whose vectors run along j; `scratch`: SSOG_BT_SCRATCH(m, nn, kk) numbers. (Dot products this short spend
+ * more time summing their vectors' lanes than multiplying.) */
+#define SSOG_BT_SCRATCH(m, nn, kk) (((nn) + 64) * ((kk) + (m)))
+#define SSOG_GEMM_BT(NAME, GEMM, T)                                                                                   \
+    static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, const T *b, int64_t ldb, int64_t m,           \
+                            int64_t nn, int64_t kk, int add, T *scratch) {                                            \
+        enum { W = VEC_BYTES / sizeof(T) };                                                                           \
+        int64_t p = (nn + W - 1) / W * W;                                                                             \
+        T *bt = scratch, *ct = scratch + kk * p;                                                                      \
+        for (int64_t d = 0; d < kk; ++d) {                                                                            \
+            for (int64_t j = 0; j < nn; ++j)                                                                          \
+                bt[d * p + j] = b[j * ldb + d];                                                                       \
+            for (int64_t j = nn; j < p; ++j)                                                                          \
+                bt[d * p + j] = 0;                                                                                    \
+        }                                                                                                             \
+        GEMM(ct, p, a, lda, 1, bt, p, m, kk, p, 0);                                                                   \
+        for (int64_t i = 0; i < m; ++i)                                                                               \
+            for (int64_t j = 0; j < nn; ++j)                                                                          \
+                c[i * ldc + j] = add ? c[i * ldc + j] + ct[i * p + j] : ct[i * p + j];                                \
+    }
+
+/* Backward of one kernel row K = softmax_j(-(d_j s)^2), d_j = (j - q) - mu, given g = dL/dK: with
+ * t_j = K_j (g_j - sum_i K_i g_i) d_j, dL/dmu = 2 s^2 sum_j t_j and dL/ds = -2 s sum_j t_j d_j (the arithmetic of
+ * backends._common.gaussian_rows_grad; flushed entries are zero in K and pass nothing). */
+#define SSOG_ROW_GRAD(NAME, T)                                                                                        \
+    static inline void NAME(const T *k, const T *g, int q, int n, T mu, T s, T *g_mu, T *g_s) {                       \
+        T dot = 0, sm = 0, ss = 0;                                                                                    \
+        for (int j = 0; j < n; ++j)                                                                                   \
+            dot += k[j] * g[j];                                                                                       \
+        for (int j = 0; j < n; ++j) {                                                                                 \
+            T d = (T)(j - q) - mu, t = k[j] * (g[j] - dot) * d;                                                       \
+            sm += t;                                                                                                  \
+            ss += t * d;                                                                                              \
+        }                                                                                                             \
+        *g_mu = 2 * s * s * sm;                                                                                       \
+        *g_s = -2 * s * ss;                                                                                           \
+    }
+
+/* Gradients of the steered mixing (docs/operator.md, "Backward"), one (image, head) at a time, each row of queries
+ * recomputing its tables and U: with W = lam K^x and G = dL/dout, dL/dW = G U^T, dL/dU = W^T G,
+ * dL/dlam = sum_k dL/dW K^x, dL/dK^x = lam dL/dW, dL/dK^y = dL/dU V^T, dL/dV = K^y^T dL/dU. Arguments as in
+ * ssog_mix_*, plus g (dL/dout, rows `g_st` and images `g_sb` apart), gv (dL/dV of the patch rows, written; rows
+ * `gv_st`, images `gv_sb` apart) and g_mu, g_s, g_lam (shaped as mu, s, lam, written); `work`:
+ * ssog_mix_grad_work(...) numbers per thread. */
+int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 2 * gh * gw * dh + 2 * r * gw * dh + gw * dh + r * gw * gh * 2 + r * gw * gw * 3 +
+           SSOG_BT_SCRATCH(gw > r ? gw : r, r * gw > gh ? r * gw : gh, dh);
+}
+
+#define SSOG_MIX_GRAD(NAME, ROWS, GEMM, GEMM_BT, ROW_GRAD, T, TINY)                                                   \
+    void NAME(const T *v, const T *g, T *gv, const T *mu, const T *s, const T *lam, T *g_mu, T *g_s, T *g_lam,        \
+              T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st,            \
+              int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r,              \
+              int64_t dh) {                                                                                           \
+        int64_t n = gh * gw, units = b * heads, size = ssog_mix_grad_work(gh, gw, r, dh), rg = r * gw;                \
+        int64_t macs = 3 * n * r * (gh + gw) * dh;                                                                    \
+        SSOG_UNITS_BEGIN                                                                                              \
+            int64_t bi = unit / heads, h = unit % heads;                                                              \
+            T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *u = gcols + n * dh;                \
+            T *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh, *gky = ky + rg * gh, *kx = gky + rg * gh;    \
+            T *w = kx + rg * gw, *gw_ = w + rg * gw, *scratch = gw_ + rg * gw;                                        \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;                 \
+            for (int64_t t = 0; t < n; ++t)                                                                           \
+                memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
+            memset(gcols, 0, sizeof(T) * n * dh);                                                                     \
+            for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r, qs = heads * r; /* token (iy, 0); per token */     \
+                ROWS(ky, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * qs, 0, gw, (int)iy, 0, (int)gh, r);                    \
+                for (int64_t k = 0; k < gw; ++k)                                                                      \
+                    GEMM(u + k * dh, gw * dh, ky + k * r * gh, gh, 1, cols + k * gh * dh, dh, r, gh, dh, 0);          \
+                ROWS(kx, mu + 2 * gi + 1, s + 2 * gi + 1, NULL, 2, 2 * qs, 0, gw, 0, 1, (int)gw, r);                  \
+                for (int64_t ix = 0; ix < gw; ++ix)                                                                   \
+                    for (int64_t j = 0; j < rg; ++j) {                                                                \
+                        T x = kx[ix * rg + j] * lam[gi + ix * qs + j / gw];                                           \
+                        w[ix * rg + j] = x <= TINY ? (T)0 : x;                                                        \
+                    }                                                                                                 \
+                for (int64_t ix = 0; ix < gw; ++ix)                                                                   \
+                    memcpy(gq + ix * dh, gb + (iy * gw + ix) * g_st, sizeof(T) * dh);                                 \
+                GEMM_BT(gw_, rg, gq, dh, u, dh, gw, rg, dh, 0, scratch);  /* dL/dW (gw, R Gw) */                      \
+                GEMM(gu, dh, w, 1, rg, gq, dh, rg, gw, dh, 0);             /* dL/dU = W^T G (R Gw, dh) */             \
+                for (int64_t ix = 0; ix < gw; ++ix)  /* the queries (iy, ix): their weights and x-rows */             \
+                    for (int64_t ri = 0; ri < r; ++ri) {                                                              \
+                        int64_t at = gi + ix * qs + ri;                                                               \
+                        T *gk = gw_ + ix * rg + ri * gw, *kr = kx + ix * rg + ri * gw, gl = 0;                        \
+                        for (int64_t k = 0; k < gw; ++k) {                                                            \
+                            gl += gk[k] * kr[k];                                                                      \
+                            gk[k] *= lam[at];                                                                         \
+                        }                                                                                             \
+                        g_lam[at] = gl;                                                                               \
+                        ROW_GRAD(kr, gk, (int)ix, (int)gw, mu[2 * at + 1], s[2 * at + 1], g_mu + 2 * at + 1,          \
+                                 g_s + 2 * at + 1);                                                                   \
+                    }                                                                                                 \
+                for (int64_t k = 0; k < gw; ++k) { /* the tokens (iy, k): their y-rows, and dL/dV */                  \
+                    GEMM_BT(gky + k * r * gh, gh, gu + k * dh, gw * dh, cols + k * gh * dh, dh, r, gh, dh, 0,       \
+                            scratch);                                                                             \
+                    GEMM(gcols + k * gh * dh, dh, ky + k * r * gh, 1, gh, gu + k * dh, gw * dh, gh, r, dh, 1);        \
+                    for (int64_t ri = 0; ri < r; ++ri) {                                                              \
+                        int64_t at = gi + k * qs + ri;                                                                \
+                        ROW_GRAD(ky + (k * r + ri) * gh, gky + (k * r + ri) * gh, (int)iy, (int)gh, mu[2 * at],       \
+                                 s[2 * at], g_mu + 2 * at, g_s + 2 * at);                                             \
+                    }                                                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+            T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                             \
+            for (int64_t t = 0; t < n; ++t)                                                                           \
+                memcpy(ob + t * gv_st, gcols + (t % gw * gh + t / gw) * dh, sizeof(T) * dh);                          \
+        SSOG_UNITS_END                                                                                                \
+    }
+
+/* Gradients of the fixed mixing (docs/operator.md, "Backward"), one (image, head) at a time and, within it, one source
+ * row jy at a time, the x-pass recomputed: with Kyl = lam K^y (H, R, Gh, Gh) as `kyl`, K^x (H, R, Gw, Gw) as `kx`
+ * (both contiguous) and G = dL/dout, U = K^x V[jy], dL/dKyl[r, :, jy] = G U[r]^T, dL/dU[r] = sum_iy Kyl[r, iy, jy]
+ * G[iy], dL/dK^x += dL/dU V[jy]^T, dL/dV[jy] = K^x^T dL/dU (G and U read as (Gh, Gw dh) and (R, Gw dh)). Values and
+ * gradients as in ssog_mix_grad_*; g_kyl (B, H, R, Gh, Gh) and g_kx (B, H, R, Gw, Gw) are written per image (the
+ * caller sums them, so that the result does not depend on the number of threads). `work`:
+ * ssog_fixed_grad_work(...) numbers per thread. */
+int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
+    return 3 * gh * gw * dh + 2 * r * gw * dh + SSOG_BT_SCRATCH(r * gw, gw, dh);
+}
+
+#define SSOG_FIXED_GRAD(NAME, GEMM, GEMM_NT, GEMM_BT, T)                                                              \
+    void NAME(const T *v, const T *g, T *gv, const T *kyl, const T *kx, T *g_kyl, T *g_kx, T *work,                   \
+              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st, int64_t gv_sb,      \
+              int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {               \
+        int64_t n = gh * gw, units = b * heads, size = ssog_fixed_grad_work(gh, gw, r, dh), rg = r * gw;              \
+        int64_t row = gw * dh, macs = n * r * (3 * gw + 2 * gh) * dh;                                                 \
+        SSOG_UNITS_BEGIN                                                                                              \
+            int64_t bi = unit / heads, h = unit % heads;                                                              \
+            T *vr = work + omp_get_thread_num() * size, *gr = vr + n * dh, *gvr = gr + n * dh;                        \
+            T *u = gvr + n * dh, *gu = u + rg * dh, *scratch = gu + rg * dh;                                          \
+            const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;                 \
+            for (int64_t t = 0; t < n; ++t) { /* the head's values and output gradient, in raster order */            \
+                memcpy(vr + t * dh, vb + t * v_st, sizeof(T) * dh);                                                   \
+                memcpy(gr + t * dh, gb + t * g_st, sizeof(T) * dh);                                                   \
+            }                                                                                                         \
+            const T *kyl_h = kyl + h * r * gh * gh, *kx_h = kx + h * rg * gw;                                         \
+            T *gkyl = g_kyl + unit * r * gh * gh, *gkx = g_kx + unit * rg * gw;                                       \
+            for (int64_t jy = 0; jy < gh; ++jy) {                                                                     \
+                const T *vj = vr + jy * row;                                                                          \
+                GEMM(u, dh, kx_h, gw, 1, vj, dh, rg, gw, dh, 0);                 /* U = K^x V[jy] (R Gw, dh) */       \
+                GEMM_NT(gkyl + jy, gh, gh * gh, gr, row, u, row, gh, r, row, 0); /* dL/dKyl[:, :, jy] */              \
+                GEMM(gu, row, kyl_h + jy, gh * gh, gh, gr, row, r, gh, row, 0); /* dL/dU (R, Gw dh) */                \
+                GEMM_BT(gkx, gw, gu, dh, vj, dh, rg, gw, dh, jy > 0, scratch);   /* dL/dK^x (R Gw, Gw) */             \
+                GEMM(gvr + jy * row, dh, kx_h, 1, gw, gu, dh, gw, rg, dh, 0);   /* dL/dV[jy] (Gw, dh) */              \
+            }                                                                                                         \
+            T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                             \
+            for (int64_t t = 0; t < n; ++t)                                                                           \
+                memcpy(ob + t * gv_st, gvr + t * dh, sizeof(T) * dh);                                                 \
+        SSOG_UNITS_END                                                                                                \
+    }
+
+SSOG_QUERY_ROWS(query_rows_f32, float, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
+SSOG_QUERY_ROWS(query_rows_f64, double, exp, DBL_MAX, DBL_MIN, -708.3964) /* log(DBL_MIN) */
+SSOG_GEMM(gemm_f32, float, f32_vec)
+SSOG_GEMM(gemm_f64, double, f64_vec)
+SSOG_GEMM_NT(gemm_nt_f32, float, f32_vec)
+SSOG_GEMM_NT(gemm_nt_f64, double, f64_vec)
+SSOG_GEMM_BT(gemm_bt_f32, gemm_f32, float)
+SSOG_GEMM_BT(gemm_bt_f64, gemm_f64, double)
+SSOG_ROW_GRAD(row_grad_f32, float)
+SSOG_ROW_GRAD(row_grad_f64, double)
+SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
+SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
+SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad_f32, float, FLT_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, DBL_MIN)
+SSOG_FIXED_GRAD(ssog_fixed_grad_f32, gemm_f32, gemm_nt_f32, gemm_bt_f32, float)
+SSOG_FIXED_GRAD(ssog_fixed_grad_f64, gemm_f64, gemm_nt_f64, gemm_bt_f64, double)
