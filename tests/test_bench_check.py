@@ -10,7 +10,8 @@ import pytest
 from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check, mixer_bound, model_bound
 
 
-@pytest.mark.parametrize("res,bound", [(224, 2.10), (384, 2.45), (512, 2.86), (768, 4.00), (1024, 5.50)])
+# the ratio of the mixers' FLOP counts (ssogvit.bench.flops: SSoG's values on the patches only, plus the prefix means)
+@pytest.mark.parametrize("res,bound", [(224, 2.11), (384, 2.45), (512, 2.86), (768, 4.00), (1024, 5.50)])
 def test_mixer_bound_is_the_multiply_add_ratio(res, bound):
     assert mixer_bound(res) == pytest.approx(bound, abs=0.006)
 

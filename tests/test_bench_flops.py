@@ -5,7 +5,7 @@ import torch
 
 from ssogvit.backends import cpu
 from ssogvit.bench import count_flops, flops_breakdown, measure_flops, mixer_flops
-from ssogvit.bench._paper import TABLE4_ATTENTION, TABLE4_TOTAL
+from ssogvit.bench.flops import TABLE4_ATTENTION, TABLE4_TOTAL
 from ssogvit.layers import create_mixer
 from ssogvit.models import create_model
 

@@ -89,6 +89,14 @@ def test_a_time_only_sweep_plots_without_empty_legends_or_torchs_cuda_home_line(
     assert (tmp_path / "t_relative.png").stat().st_size > 0 and (tmp_path / "t_absolute.png").stat().st_size > 0
     assert not [str(w.message) for w in recwarn if "legend" in str(w.message)]
     assert "No CUDA runtime" not in capfd.readouterr().err
+    # a second run of the same name replaces nothing unless asked, and says so before measuring anything
+    from ssogvit.outputs import OutputExistsError
+
+    before = (tmp_path / "t.json").read_bytes()
+    with pytest.raises(OutputExistsError, match=r"--out: .*t\.json exists; pass --overwrite"):
+        main(argv)
+    assert (tmp_path / "t.json").read_bytes() == before
+    assert main(argv + ["--overwrite"]) == 0 and (tmp_path / "t.json").read_bytes() != before
 
 
 def test_ode_family_is_measured_against_the_papers_explicit_attention_first(tmp_path):
@@ -109,7 +117,7 @@ def test_ode_family_is_measured_against_the_papers_explicit_attention_first(tmp_
 
 
 def test_model_ratios_name_their_baseline_and_put_the_papers_first():
-    from ssogvit.bench.model_sweep import default_mixers, model_table
+    from ssogvit.bench.sweeps import default_mixers, model_table
 
     def row(family, mixer, ips, mib):
         return dict(family=family, size="base", mixer=mixer, label=f"{family}-base-{mixer}", res=224, batch=8,
@@ -162,7 +170,7 @@ def test_operator_output_is_at_least_counted_in_peak_memory(tmp_path):
 
 
 def test_mixer_specs_parse_and_expand_per_implementation():
-    from ssogvit.bench.operator_sweep import expand_impls, parse_mixer
+    from ssogvit.bench.sweeps import expand_impls, parse_mixer
 
     assert parse_mixer("ssog:impl=loop,num_atoms=8") == ("ssog", {"impl": "loop", "num_atoms": 8},
                                                         "ssog[impl=loop,num_atoms=8]")
@@ -176,7 +184,7 @@ def test_mixer_specs_parse_and_expand_per_implementation():
 
 
 def test_operator_ratios_are_taken_against_the_baseline_at_the_same_resolution_and_batch():
-    from ssogvit.bench.operator_sweep import operator_fits, operator_table
+    from ssogvit.bench.sweeps import operator_fits, operator_table
 
     def row(label, res, ms, mib, gflops, batch=8):
         return dict(label=label, res=res, tokens=1 + (res // 16) ** 2, batch=batch, status="ok", time_ms=ms,

@@ -44,12 +44,11 @@ def test_models_pass_their_prefix_count_to_every_mixer(family):
     model = ssogvit.create_model(f"{family}-tiny-ssog", embed_dim=32, num_heads=2, depth=1, img_size=16, patch_size=4,
                                  num_classes=3, num_registers=2)
     block = model.blocks[0]  # the first block application (an ODE grid step for ode)
-    tokens, grid = model.embed(torch.randn(1, 3, 16, 16))  # sets the grid the blocks pass to their mixers
-    assert tokens.shape[1] == 3 + 16 and grid == (4, 4) and model.grid_context.grid == (4, 4)
-    block(tokens)
-    model.grid_context.grid = (3, 5)  # a grid that does not fit the tokens
+    tokens, grid = model.embed(torch.randn(1, 3, 16, 16))  # the grid every block application takes
+    assert tokens.shape[1] == 3 + 16 and grid == (4, 4)
+    block(tokens, grid)
     with pytest.raises(ValueError, match="P=3 prefix tokens"):
-        block(tokens)
+        block(tokens, (3, 5))  # a grid that does not fit the tokens
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -80,3 +80,54 @@ def test_ssogify_rejects_masks_and_bad_arguments():
     ssogvit.ssogify(model)
     with pytest.raises(ValueError, match="no attention mask"):
         model.blocks[0].attn(torch.randn(1, 17, 192), attn_mask=torch.ones(17, 17, dtype=torch.bool))
+
+
+def _decay_of(optimizer, model):
+    """Parameter name -> the weight decay timm's optimizer applies to it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+
+
+@pytest.mark.parametrize("mixer", ["ssog", "ssog-steered"])
+def test_timms_optimizer_factory_leaves_the_fields_undecayed_as_in_ssogvits_own_models(mixer):
+    from timm.optim import create_optimizer_v2
+
+    model = ssogvit.ssogify(tiny_vit(depth=2), mixer=mixer)
+    decay = _decay_of(create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05), model)
+    fields = {f"blocks.{i}.attn.{n}" for i, b in enumerate(model.blocks) for n in b.attn.no_weight_decay()}
+    assert fields and {n: decay[n] for n in fields} == dict.fromkeys(fields, 0.0)
+    assert {"pos_embed", "cls_token"} <= model.no_weight_decay()  # timm's own names are kept
+    assert decay["blocks.0.attn.v.weight"] == decay["blocks.0.mlp.fc1.weight"] == 0.05
+    if mixer == "ssog-steered":
+        assert decay["blocks.1.attn.mu_steer.weight"] == 0.05  # the steering maps are weights, as in our models
+    # ssogvit's own model with the same mixer: the same split of the mixer's parameters
+    ours = ssogvit.create_model(f"vit-tiny-{mixer}", img_size=64, depth=2, num_classes=10)
+    ours_decay = _decay_of(create_optimizer_v2(ours, "adamw", lr=1e-3, weight_decay=0.05), ours)
+    assert {n: d for n, d in ours_decay.items() if ".attn." in n} == {n: d for n, d in decay.items() if ".attn." in n}
+
+
+@pytest.mark.parametrize("build", ["timm", "ssogvit-mha"])
+def test_an_ssogified_model_round_trips_through_save_pretrained_and_timm_local_dir_bit_for_bit(build, tmp_path):
+    if build == "timm":
+        model = tiny_vit(depth=2, reg_tokens=1, dynamic_img_size=True)
+    else:
+        model = ssogvit.create_model("looped-tiny-mha", img_size=32, patch_size=8, depth=2, num_classes=3)
+    ssogvit.ssogify(model, mixer="ssog-steered", num_atoms=3, radius=2.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # every parameter away from its initial value
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    twin = timm.create_model(f"local-dir:{tmp_path}", pretrained=True)
+    assert type(twin) is type(model) and isinstance(twin.blocks[0].attn, TimmSSoGAttention)
+    assert twin.blocks[0].attn.num_atoms == 3 and twin.blocks[0].attn.radius == 2.0
+    assert twin.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(x), model.eval()(x))
+    assert twin.no_weight_decay() == model.no_weight_decay()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        model.save_pretrained(tmp_path)
+    twin.save_pretrained(tmp_path / "again")  # and round again from the reloaded model
+    again = timm.create_model(f"local-dir:{tmp_path / 'again'}", pretrained=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))

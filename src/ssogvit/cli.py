@@ -19,25 +19,35 @@ import threading
 from collections.abc import Iterator
 
 from ssogvit.errors import DEBUG_ENV, Interrupted, debug_enabled, format_error, user_errors
+from ssogvit.extras import require_extra
 
-# command -> (module, function, one-line help). Modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "main": ("ssogvit.train.main_job", "main", "train SSoG and its MHA twin on the embedded digits data; print a table"),
-    "train": ("ssogvit.train.cli", "train_main", "train a model (Hydra overrides, e.g. experiment=cifar100_vit_base_ssog)"),
-    "eval": ("ssogvit.train.cli", "eval_main", "evaluate a checkpoint, optionally at another image or patch size"),
-    "transfer": ("ssogvit.train.cli", "transfer_main", "linear probe or fine-tune a checkpoint on another dataset"),
-    "convert": ("ssogvit.convert.cli", "convert_main", "turn a trained attention ViT into an SSoG ViT (fit + distil)"),
-    "list": ("ssogvit.train.cli", "list_main", "list models, mixers and experiment configs"),
-    "report": ("ssogvit.train.report", "main", "paper tables (ours beside the paper's) and curves from finished runs"),
-    "bench": ("ssogvit.bench.cli", "main", "efficiency benchmarks: models, operator, flops"),
-    "export": ("ssogvit.export", "main", "write a checkpoint as ONNX, TorchScript or an exported program; check parity"),
-    "analyze": ("ssogvit.analysis.cli", "main", "look inside a model: fields, atoms, lipschitz, sinks, steering, transfer"),
+# command -> (module, function, extra it needs beyond the core (ssogvit.extras), one-line help). Modules are imported
+# only when their command runs, after its extra is found installed.
+COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
+    "main": ("ssogvit.train.main_job", "main", "train",
+             "train SSoG and its MHA twin on the embedded digits data; print a table"),
+    "train": ("ssogvit.train.cli", "train_main", "train",
+              "train a model (Hydra overrides, e.g. experiment=cifar100_vit_base_ssog)"),
+    "eval": ("ssogvit.train.cli", "eval_main", "train",
+             "evaluate a checkpoint, optionally at another image or patch size"),
+    "transfer": ("ssogvit.train.cli", "transfer_main", "train",
+                 "linear probe or fine-tune a checkpoint on another dataset"),
+    "convert": ("ssogvit.convert.cli", "convert_main", "train",
+                "turn a trained attention ViT into an SSoG ViT (fit + distil)"),
+    "list": ("ssogvit.train.cli", "list_main", "train", "list models, mixers and experiment configs"),
+    "report": ("ssogvit.train.report", "main", "train",
+               "paper tables (ours beside the paper's) and curves from finished runs"),
+    "bench": ("ssogvit.bench.cli", "main", "bench", "efficiency benchmarks: models, operator, flops"),
+    "export": ("ssogvit.export", "main", None,
+               "write a checkpoint as ONNX, TorchScript or an exported program; check parity"),
+    "analyze": ("ssogvit.analysis.cli", "main", "analysis",
+                "look inside a model: fields, atoms, lipschitz, sinks, steering, transfer"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: ssogvit [--version] <command> [options] [--debug]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, _, help_) in COMMANDS.items()]
     lines += ["", "Run `ssogvit <command> --help` for a command's options. --debug (or SSOGVIT_DEBUG=1): show the "
               "traceback of an error."]
     return "\n".join(lines)
@@ -96,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssogvit: unknown command {name!r}; expected one of: {', '.join(COMMANDS)} (see `ssogvit --help`)",
               file=sys.stderr)
         return 2
-    module, func, _ = COMMANDS[name]
+    module, func, extra, _ = COMMANDS[name]
     try:
         with _signals_interrupt():
+            if extra:
+                require_extra(extra, "this command")
             result = getattr(importlib.import_module(module), func)(rest)
             sys.stdout.flush()  # a closed pipe shows here, not in Python's exit flush
     except BrokenPipeError:

@@ -4,19 +4,28 @@ SIGINT and SIGTERM end a command: one line, exit status 128 + the signal's numbe
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 
 from ssogvit.inputs import InputError
 
-__all__ = ["DEBUG_ENV", "Interrupted", "UsageError", "debug_enabled", "format_error", "report_errors", "user_errors"]
+__all__ = ["DEBUG_ENV", "ArgumentParser", "Interrupted", "UsageError", "debug_enabled", "format_error",
+           "report_errors", "user_errors"]
 
 DEBUG_ENV = "SSOGVIT_DEBUG"
 
 
 class UsageError(Exception):
     """Bad input to a command (a file it cannot use, an option it does not take); the message names the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -43,14 +52,19 @@ def debug_enabled() -> bool:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2.
 
-    from ssogvit.data import DataError
+    The errors of the training stack (Hydra, OmegaConf, the datamodules) count where their modules were imported:
+    one that was never imported cannot have been raised, and a command without the training extra runs without it.
+    """
     from ssogvit.train.errors import TrainError
 
-    return TrainError, DataError, UsageError, InputError, HydraException, OmegaConfBaseException
+    found: list[type[BaseException]] = [TrainError, UsageError, InputError]
+    for module, name in (("hydra.errors", "HydraException"), ("omegaconf.errors", "OmegaConfBaseException"),
+                         ("ssogvit.data._common", "DataError")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
 
 
 def format_error(prog: str, err: BaseException) -> str:
@@ -60,12 +74,11 @@ def format_error(prog: str, err: BaseException) -> str:
     worker's traceback; its own message is the traceback's last line. A config Hydra cannot find is named with the
     closest of the options it had.
     """
-    from hydra.errors import MissingConfigException
-
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
         lines = [lines[-1].split(": ", 1)[-1]]
-    if isinstance(err, MissingConfigException) and err.options:
+    hydra_errors = sys.modules.get("hydra.errors")  # Hydra's error only where Hydra ran
+    if hydra_errors is not None and isinstance(err, hydra_errors.MissingConfigException) and err.options:
         import difflib
 
         asked = str(err.missing_cfg_file or "").rsplit("/", 1)[-1]

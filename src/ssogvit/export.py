@@ -1,59 +1,136 @@
 """Deployment: a model written as ONNX, TorchScript or a ``torch.export`` program, checked against eager outputs.
 
-    ssogvit export --ckpt runs/x/checkpoints/last.ckpt --format onnx [--out model.onnx]
+    ssogvit export --ckpt runs/x/checkpoints/last.ckpt --format onnx [--out model.onnx] [--static]
 
-The file is written under a temporary name beside ``--out``, run again on a random batch (ONNX in onnxruntime) and
-compared with the eager model; the measured maximum absolute difference is printed. Only a file whose parity is within
-``--tolerance`` is renamed to ``--out`` (atomically: a kill leaves the old file or nothing there); a worse one is an
-error (exit code 2) and nothing is written. An existing ``--out`` is replaced only with ``--overwrite``. ONNX files
-hold their weights (no ``.onnx.data`` beside them), so each export is one file. Under tracing and export SSoG takes no
-in-place or preallocated-buffer shortcut (``ssogvit.ops.functional_only``), so what is exported computes what the eager
-model computes.
+The file takes any batch size and, where the format allows, any image size the patch size divides (``DYNAMIC``):
+``torch.export`` and the dynamo ONNX exporter make both dimensions symbolic; the TorchScript-based formats keep the
+traced image size (the TorchScript-based ONNX exporter has no translation of the position embedding's antialiased
+bicubic resize, and a traced TorchScript graph holds SSoG's grid as constants), and say so: onnxruntime refuses
+another size by the file's declared input shape, the TorchScript file by a check of its own. ``--static`` exports
+without dynamic dimensions (an ONNX file or exported program then refuses any other shape).
+
+The file is written under a temporary name beside ``--out`` and run again (ONNX in onnxruntime) on a random batch of
+the traced shape and on one of another batch size and, where it is dynamic, another resolution, and compared with the
+eager model; each maximum absolute difference is printed. Only a file whose parity is within ``--tolerance`` at every
+shape is renamed to ``--out`` (atomically: a kill leaves the old file or nothing there); a worse one is an error (exit
+code 2) and nothing is written. An existing ``--out`` is replaced only with ``--overwrite``. ONNX files hold their
+weights (no ``.onnx.data`` beside them), so each export is one file. Under tracing and export SSoG takes no in-place
+or preallocated-buffer shortcut (``ssogvit.ops.functional_only``), so what is exported computes what the eager model
+computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from ssogvit.inputs import Float, Int, check_memory
-from ssogvit.outputs import OVERWRITE_FLAG, atomic_write, check_output_file
+from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_errors
+from ssogvit.extras import require_extra
+from ssogvit.inputs import IMG_SIZE, Float, Int, check_memory, input_file
+from ssogvit.outputs import OVERWRITE_FLAG, OutputError, atomic_write, check_output_file
 
-__all__ = ["FORMATS", "export_model", "load_exported", "parity", "main"]
+__all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "second_shape", "main"]
 
 #: format -> file suffix
 FORMATS = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
+#: (format, exporter) -> the input dimensions a file takes at any size; the others are fixed at the traced ones
+DYNAMIC: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("exported-program", None): ("batch", "size"),
+    ("onnx", "dynamo"): ("batch", "size"),
+    ("onnx", "torchscript"): ("batch",),
+    ("torchscript", None): ("batch",),
+}
 TOLERANCE = 1e-4
 BATCH = Int(1, 4096)  # images in the traced example
 
 
-def export_model(model: nn.Module, example: Tensor, path: str | Path, *, format: str, dynamo: bool = True) -> Path:
+def dynamic_dims(format: str, dynamo: bool = True) -> tuple[str, ...]:
+    """The input dimensions (``"batch"``, ``"size"``: height and width) a file of ``format`` takes at any size."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; expected one of {list(FORMATS)}")
+    return DYNAMIC[(format, ("dynamo" if dynamo else "torchscript") if format == "onnx" else None)]
+
+
+def _patch_size(model: nn.Module) -> int:
+    patch = model.patch_embed.patch_size
+    return int(patch[0] if isinstance(patch, tuple | list) else patch)
+
+
+@functools.cache
+def _size_check():
+    """A scripted check that a traced TorchScript graph keeps (a traced Python check would vanish from the graph)."""
+
+    def check_image_size(images: Tensor, height: int, width: int) -> Tensor:
+        if images.size(2) != height or images.size(3) != width:
+            raise ValueError(
+                "this TorchScript file computes on {}x{} images only, got {}x{} (export to exported-program or "
+                "ONNX with the dynamo exporter for any size)".format(height, width, images.size(2), images.size(3))
+            )
+        return images
+
+    return torch.jit.script(check_image_size)
+
+
+class _FixedSize(nn.Module):
+    """The model behind a check of the image size it was traced at (TorchScript)."""
+
+    def __init__(self, model: nn.Module, size: tuple[int, int]) -> None:
+        super().__init__()
+        self.model, self.size = model, size
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.model(_size_check()(images, self.size[0], self.size[1]))
+
+
+def export_model(
+    model: nn.Module, example: Tensor, path: str | Path, *, format: str, dynamo: bool = True, dynamic: bool = True
+) -> Path:
     """Write ``model`` (in eval mode) traced on ``example`` to ``path``.
 
     Args:
-        model: the model; put in eval mode.
-        example: an input batch ``(B, C, H, W)``; the exported graph is for this shape.
+        model: the model (a ViT with ``patch_embed``); put in eval mode.
+        example: an input batch ``(B, C, H, W)``; with ``dynamic``, ``B >= 2`` and a grid of at least 2 x 2 (an
+            exporter fixes a dimension traced at size 1).
         path: file to write.
         format: one of ``FORMATS``.
         dynamo: for ONNX, the ``torch.export``-based exporter (``False``: the TorchScript-based one).
+        dynamic: the dimensions ``dynamic_dims(format, dynamo)`` take any size; ``False``: the example's shape only.
+
+    Raises:
+        ValueError: an unknown format, or an example that would fix a dynamic dimension.
     """
-    if format not in FORMATS:
-        raise ValueError(f"unknown format {format!r}; expected one of {list(FORMATS)}")
+    dims = dynamic_dims(format, dynamo) if dynamic else ()
+    patch = _patch_size(model)
+    b, _, h, w = example.shape
+    if "batch" in dims and b < 2:
+        raise ValueError(f"a dynamic batch is traced at batch 2 or more (an exporter fixes a dimension of size 1), "
+                         f"got batch {b}")
+    if "size" in dims and min(h, w) < 2 * patch:
+        raise ValueError(f"a dynamic image size is traced at a grid of 2 x 2 patches or more, got {h}x{w} with "
+                         f"patch {patch}")
     path = Path(path)
     model.eval()
+    batch = {0: torch.export.Dim("batch")} if "batch" in dims else {}
+    size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracer warnings about constants: the graph is for the example's shape
-        if format == "onnx":
-            torch.onnx.export(model, (example,), str(path), dynamo=dynamo, input_names=["images"],
-                              output_names=["logits"], verbose=False, external_data=False)  # one file
+        warnings.simplefilter("ignore")  # tracer warnings about constants: the sizes they fix are the ones above
+        if format == "onnx" and dynamo:
+            torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
+                              output_names=["logits"], dynamic_shapes=({**batch, **size},), external_data=False)
+        elif format == "onnx":
+            axes = {"images": {0: "batch"}, "logits": {0: "batch"}} if batch else None
+            torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
+                              output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
-            torch.jit.save(torch.jit.trace(model, (example,)), str(path))
+            torch.jit.save(torch.jit.trace(_FixedSize(model, (h, w)), (example,), check_trace=False), str(path))
         else:
-            torch.export.save(torch.export.export(model, (example,)), str(path))
+            program = torch.export.export(model, (example,), dynamic_shapes=({**batch, **size},))
+            torch.export.save(program, str(path))
     return path
 
 
@@ -81,17 +158,39 @@ def parity(model: nn.Module, path: str | Path, x: Tensor, *, format: str) -> flo
     return float((got.to(expected) - expected).abs().max())
 
 
+def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> tuple[int, ...] | None:
+    """Another input shape a file with the dynamic ``dims`` must take: batch 1 (3 after a traced batch of 1) and,
+    with a dynamic size, one patch more in height and two in width (a rectangle); ``None`` with no dynamic dim."""
+    b, c, h, w = shape
+    if not dims:
+        return None
+    batch = (1 if b != 1 else 3) if "batch" in dims else b
+    return (batch, c, h + patch, w + 2 * patch) if "size" in dims else (batch, c, h, w)
+
+
+def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo: bool) -> str:
+    if dims == ("batch", "size"):
+        return "any batch and image size (a multiple of the patch size)"
+    fixed = f"{shape[2]}x{shape[3]} images"
+    if dims == ("batch",):
+        why = ("the TorchScript-based ONNX exporter cannot export the position embedding's resize" if format == "onnx"
+               else "a traced TorchScript graph holds the grid as constants")
+        return f"any batch; {fixed} only ({why}; the file refuses other sizes)"
+    return f"batch {shape[0]} and {fixed}, the traced shape (--static: checked at it only)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``ssogvit export``: write a checkpoint's model as a deployable file and print the parity it measured."""
-    from ssogvit.errors import report_errors
-    from ssogvit.train.cli import ArgumentParser
-
     parser = ArgumentParser(prog="ssogvit export", description=main.__doc__)
     parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt or an exported .safetensors (config beside)")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", help="file to write (default: beside the checkpoint, with the format's suffix)")
-    parser.add_argument("--batch", type=BATCH.argparse, default=2,
-                        help="batch size of the traced example and the check")
+    parser.add_argument("--batch", type=BATCH.argparse, default=2, help="batch of the traced example (default 2)")
+    parser.add_argument("--img-size", type=IMG_SIZE.argparse, nargs=2, metavar=("H", "W"), default=None,
+                        help="image size of the traced example (default: the model's img_size)")
+    parser.add_argument("--static", action="store_true",
+                        help="no dynamic dimensions: the file is for the traced shape (default: any batch and, "
+                             "where the format allows, any image size)")
     parser.add_argument("--onnx-exporter", choices=("dynamo", "torchscript"), default="dynamo")
     parser.add_argument("--tolerance", type=Float(0).argparse, default=TOLERANCE,
                         help="largest accepted max abs difference")
@@ -101,30 +200,60 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ssogvit.errors import UsageError
+    ckpt = input_file(args.ckpt, "--ckpt", what="checkpoint")
+    out = check_output_file(args.out or ckpt.with_suffix(FORMATS[args.format]), "--out", overwrite=args.overwrite,
+                            inputs=[ckpt])
+    if args.format == "onnx":
+        require_extra("export", "--format onnx")
+    dynamo = args.onnx_exporter == "dynamo"
+    dims = () if args.static else dynamic_dims(args.format, dynamo)
+    if "batch" in dims and args.batch < 2:
+        raise UsageError("a dynamic batch is traced at --batch 2 or more (an exporter fixes a dimension traced at "
+                         "size 1); pass --static for a file of batch 1 only")
     from ssogvit.train.io import load_model
 
-    ckpt = Path(args.ckpt)
-    out = Path(args.out) if args.out else ckpt.with_suffix(FORMATS[args.format])
-    check_output_file(out, "--out", overwrite=args.overwrite, inputs=[ckpt])  # before the (long) export
     model = load_model(ckpt).float().eval()
-    h, w = model.img_size
-    check_memory(model.forward_bytes(args.batch, (h, w)), f"a forward of {args.batch} images of {h}x{w} px", "--batch")
+    h, w = args.img_size or model.img_size
+    patch = _patch_size(model)
+    if h % patch or w % patch:
+        raise UsageError(f"--img-size {h} {w} is not a multiple of the patch size {patch}")
+    if "size" in dims and min(h, w) < 2 * patch:
+        raise UsageError(f"a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
+                         f"{h}x{w}; pass --img-size or --static")
+    shape = (args.batch, model.in_chans, h, w)
+    checks = [s for s in (shape, second_shape(shape, dims, patch)) if s is not None]
+    for b, _, sh, sw in checks:
+        check_memory(model.forward_bytes(b, (sh, sw)), f"a forward of {b} images of {sh}x{sw} px", "--batch")
     if args.format == "onnx" and 4 * sum(p.numel() for p in model.parameters()) >= 2**31:
         raise UsageError("the model's weights exceed 2 GB, more than one ONNX file holds; export it as "
                          "--format exported-program or torchscript")
-    x = torch.randn(args.batch, model.in_chans, h, w, generator=torch.Generator().manual_seed(0))
-    check = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     measured: list[float] = []
 
     def write_checked(tmp: Path) -> None:
-        export_model(model, x, tmp, format=args.format, dynamo=args.onnx_exporter == "dynamo")
-        measured.append(parity(model, tmp, check, format=args.format))
-        if not measured[0] <= args.tolerance:
-            raise UsageError(f"parity {measured[0]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
-                             f"exported file does not compute what the model computes, so {out} was not written")
+        try:
+            export_model(model, example, tmp, format=args.format, dynamo=dynamo, dynamic=not args.static)
+        except Exception as err:  # the exporter's own refusal; the model is fine in eager
+            if debug_enabled() or isinstance(err, OutputError):
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug "
+                             "shows the traceback") from None
+        print(f"exported {args.format}: it takes {_describe(dims, shape, args.format, dynamo)}")
+        for i, check in enumerate(checks):
+            x = torch.randn(check, generator=torch.Generator().manual_seed(1 + i))
+            try:
+                measured.append(parity(model, tmp, x, format=args.format))
+            except Exception as err:  # the file refused an input it claims to take
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise UsageError(f"the exported file failed on a batch of shape {check} ({first}), so {out} was not "
+                                 "written") from None
+            print(f"parity on a random batch {check}: max abs difference {measured[-1]:.3e} (tolerance "
+                  f"{args.tolerance:.0e})")
+            if not measured[-1] <= args.tolerance:
+                raise UsageError(f"parity {measured[-1]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
+                                 f"exported file does not compute what the model computes, so {out} was not written")
 
     atomic_write(out, write_checked, overwrite=args.overwrite)
-    print(f"wrote {out} ({args.format}); parity on a random batch {tuple(x.shape)}: max abs difference "
-          f"{measured[0]:.3e} (tolerance {args.tolerance:.0e})")
+    print(f"wrote {out} ({args.format})")
     return 0

@@ -6,34 +6,53 @@
 
 Every ``block.attn`` becomes an ``SSoGAttention`` (a subclass that accepts timm's call). The value rows of the old
 ``qkv`` projection and the output projection ``proj`` are copied over; queries and keys are dropped. The patch grid of
-each forward pass is read off the patch embedding by a forward hook, so ``dynamic_img_size=True``, register tokens,
-models without a class token and ``copy.deepcopy`` (EMA) all work.
+each forward pass is read off the patch embedding by a forward hook and kept with each block's input (timm calls its
+blocks ``blk(x)``), so ``dynamic_img_size=True``, register tokens, models without a class token, gradient
+checkpointing over forwards at different grids and ``copy.deepcopy`` (EMA) all work. The fields are in the model's
+``no_weight_decay()`` (timm's ``create_optimizer_v2`` reads it), and ``model.save_pretrained(folder)`` writes what
+``timm.create_model(f"local-dir:{folder}", pretrained=True)`` rebuilds.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Annotated, Any
 
+import timm
 import torch
 from timm.layers import Attention as TimmAttention
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ssogvit.inputs import Choice, Flag, checked
 from ssogvit.layers.attention import Attention
-from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
+from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention, is_ssog
 
-__all__ = ["ssogify", "TimmSSoGAttention", "unique_blocks"]
+__all__ = ["SSOGIFIED", "ssogify", "save_pretrained", "TimmSSoGAttention", "unique_blocks"]
 
 #: attention classes whose whole forward is known: qkv -> (q/k norms) -> softmax attention -> proj -> dropout
 _CARRIED_CLASSES = (TimmAttention, Attention)
 
 
 class _GridTracker:
-    """Forward hook on timm's ``PatchEmbed`` that remembers the patch grid of the latest call."""
+    """The patch grid of each forward pass of an ssogified timm model, for its mixers (timm calls a block ``blk(x)``).
+
+    A forward hook on timm's ``PatchEmbed`` records the grid of the latest call (``grid``). A forward pre-hook on
+    every block takes, for the block's input tensor, the grid of the forward pass that tensor belongs to: the latest
+    grid the first time the block sees it, the grid remembered with it when the block runs on it again. Gradient
+    checkpointing runs a block again on its saved input in the backward pass, possibly after another forward at
+    another grid (multi-crop training), and so gets that input's own grid back (``block_grid``, while the block
+    runs). The inputs are held weakly, so nothing outlives its tensor.
+    """
 
     def __init__(self) -> None:
         self.grid: tuple[int, int] | None = None
+        self.block_grid: tuple[int, int] | None = None
+        self._inputs = WeakTensorKeyDictionary()
 
     def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if output.ndim == 4:
@@ -47,12 +66,42 @@ class _GridTracker:
                 ph, pw = module.patch_size
                 self.grid = (size[0] // ph, size[1] // pw)
 
+    def enter_block(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of a block: the grid of the forward pass its input belongs to."""
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or torch.compiler.is_compiling():  # a graph has no backward recomputation
+            self.block_grid = self.grid
+            return
+        grid = self._inputs.get(x)
+        if grid is None:  # reentrant checkpointing recomputes on a detached alias of the saved input
+            key = (x.data_ptr(), x.shape, x.stride())
+            grid = next((g for t, g in self._inputs.items() if (t.data_ptr(), t.shape, t.stride()) == key), None)
+        if grid is None:
+            grid = self._inputs[x] = self.grid
+        self.block_grid = grid
+
+    def leave_block(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.block_grid = None
+
+    def __deepcopy__(self, memo: dict) -> _GridTracker:  # a copy (EMA) tracks its own forwards
+        twin = _GridTracker()
+        twin.grid = self.grid
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"grid": self.grid}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.grid = state["grid"]
+
 
 class TimmSSoGAttention(SSoGAttention):
     """``SSoGAttention`` with timm's attention call ``attn(x, attn_mask=None, is_causal=False)``.
 
-    The grid comes from the patch embedding's latest forward (see ``ssogify``) unless passed explicitly; the number of
-    prefix tokens is the model's, so a token count that does not fit the grid is an error.
+    The grid comes from the forward pass the block's input belongs to (``_GridTracker``, set up by ``ssogify``)
+    unless passed explicitly; the number of prefix tokens is the model's, so a token count that does not fit the grid
+    is an error.
     """
 
     def __init__(
@@ -84,7 +133,8 @@ class TimmSSoGAttention(SSoGAttention):
         return super().attention_matrix(x, self._grid(grid), num_prefix_tokens=prefix)
 
     def _grid(self, grid: tuple[int, int] | None) -> tuple[int, int]:
-        grid = grid if grid is not None else self._grid_tracker.grid
+        tracker = self._grid_tracker
+        grid = grid if grid is not None else tracker.block_grid if tracker.block_grid is not None else tracker.grid
         if grid is None:
             raise ValueError("no patch grid recorded yet: run the timm model's forward (or pass grid=(Gh, Gw))")
         return grid
@@ -199,6 +249,8 @@ def ssogify(model: nn.Module, *, mixer: Annotated[str, Choice(("ssog", "ssog-ste
     model.patch_embed.register_forward_hook(tracker)
     prefix = getattr(model, "num_prefix_tokens", None)
     for block in unique_blocks(model):
+        block.register_forward_pre_hook(tracker.enter_block)
+        block.register_forward_hook(tracker.leave_block)
         old = block.attn
         dim = old.qkv.in_features
         new = TimmSSoGAttention(
@@ -214,4 +266,75 @@ def ssogify(model: nn.Module, *, mixer: Annotated[str, Choice(("ssog", "ssog-ste
                 if old.proj.bias is not None:
                     new.proj.bias.copy_(old.proj.bias)
         block.attn = new
+    model.ssogify_options = {"mixer": mixer, **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
+    # what timm's optimizer factory and hub writer call on a model: instance attributes, so the model's class is kept
+    model.no_weight_decay = partial(_no_weight_decay, model, getattr(model, "no_weight_decay", None))
+    model.save_pretrained = partial(save_pretrained, model)
     return model
+
+
+def _no_weight_decay(model: nn.Module, inherited: Callable[[], set[str]] | None) -> set[str]:
+    """The model's own no-decay names (timm's: position embedding and tokens) and every SSoG field by full name
+    (``SSoGAttention.no_weight_decay``), as ssogvit's own models exclude them."""
+    names = set(inherited() if inherited is not None else ())
+    for prefix, module in model.named_modules():
+        if is_ssog(module):
+            names |= {f"{prefix}.{name}" for name in module.no_weight_decay()}
+    return names
+
+
+#: timm architecture of an ssogified model saved by ``save_pretrained``: the base architecture, then ``ssogify``
+SSOGIFIED = "ssogvit_ssogified"
+
+
+def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: bool = False) -> Path:
+    """Write an ssogified model in the Hugging Face hub layout (timm's ``save_for_hf``), so that
+    ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)`` rebuilds it bit for bit.
+
+    ``config.json`` names the architecture ``ssogvit_ssogified`` with the base architecture and its arguments (as
+    timm's factory recorded them, or an ssogvit model's ``config``) and the options ``ssogify`` was called with;
+    ``model.safetensors`` holds the weights. ``ssogify`` makes this the model's ``save_pretrained``.
+
+    Raises:
+        FileExistsError: the folder already holds a saved model and ``overwrite`` is not set.
+        ValueError: ``model`` was not made by ``ssogify``.
+    """
+    from timm.models import save_for_hf
+
+    from ssogvit.models import VisionTransformerBase, timm_name
+
+    options = getattr(model, "ssogify_options", None)
+    if options is None:
+        raise ValueError("save_pretrained here saves a model made by ssogify(); ssogvit's own models have their own")
+    folder = Path(save_directory)
+    existing = [f for f in ("config.json", "model.safetensors") if (folder / f).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
+    if isinstance(model, VisionTransformerBase):  # a model of ours: its config rebuilds it
+        base, base_args = timm_name(model.config["name"]), {k: v for k, v in model.config.items() if k != "name"}
+    else:  # timm's factory recorded the arguments (``_model_args``); for a reloaded model, also the base
+        recorded = getattr(model, "_model_args", {})
+        base, base_args = recorded.get("ssogify_base", model.pretrained_cfg["architecture"]), {}
+    args = {**base_args, "ssogify_base": base, "ssogify_options": options}
+    save_for_hf(model, str(folder), model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, model_args=args,
+                safe_serialization=True)
+    return folder
+
+
+def _ssogified_entrypoint(
+    pretrained: bool = False, *, ssogify_base: str, ssogify_options: dict[str, Any], **kwargs: Any
+) -> nn.Module:
+    """timm entry point ``ssogvit_ssogified``: ``ssogify_base`` built with the other arguments, then ``ssogify``'d
+    with ``ssogify_options`` (the mixer and its options); with ``pretrained``, the saved weights loaded."""
+    options = dict(ssogify_options)
+    mixer = options.pop("mixer")
+
+    def build(**base_args: Any) -> nn.Module:
+        return ssogify(timm.create_model(ssogify_base, **base_args), mixer=mixer, copy_weights=False, **options)
+
+    return build_model_with_cfg(build, SSOGIFIED, pretrained, **kwargs)
+
+
+_ssogified_entrypoint.__name__ = _ssogified_entrypoint.__qualname__ = SSOGIFIED
+default_cfgs = generate_default_cfgs({SSOGIFIED: dict(num_classes=1000, input_size=(3, 224, 224))})
+register_model(_ssogified_entrypoint)

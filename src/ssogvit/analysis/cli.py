@@ -16,12 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ssogvit.errors import UsageError, report_errors
+from ssogvit.errors import ArgumentParser, UsageError, report_errors
 from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, SEED, Float, InputError, Int, Ints, Spec, check_memory
 from ssogvit.layers import is_ssog
 from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs
 from ssogvit.results import fmt, markdown_table, write_json, write_markdown
-from ssogvit.train.cli import ArgumentParser
 from ssogvit.train.config import split_override
 
 from . import _data

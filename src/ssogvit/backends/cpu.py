@@ -362,8 +362,10 @@ def _checked() -> bool:
     on small problems with centres inside and outside the grid, narrow and wide kernels and one prefix token, in
     both dtypes: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
     modes it needs itself: autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32
-    matmuls must stay float32)."""
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+    matmuls must stay float32), and saved-tensor hooks of its own (the first use can be inside a gradient-checkpointed
+    block, whose hooks would take the check's tensors for the block's)."""
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         g = torch.Generator().manual_seed(0)
         for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
             for kind in ("steered", "fixed"):

@@ -1,214 +1,195 @@
-"""``ssogvit bench models|operator|flops``: the efficiency benchmarks of docs/benchmarks.md, as a command line."""
+"""``ssogvit bench models|operator|flops|check|report`` (docs/benchmarks.md). Arguments are declared
+(``ssogvit.inputs``); a run's files are checked before any work, never replaced without ``--overwrite``, and written
+atomically after every point (``ssogvit.outputs``)."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from ssogvit.errors import UsageError
-from ssogvit.train.cli import ArgumentParser
+from ssogvit.errors import ArgumentParser, UsageError
+from ssogvit.inputs import BATCH_SIZE, EMBED_DIM, IMG_SIZE, NUM_CLASSES, NUM_HEADS, PATCH_SIZE, Float, Int
+from ssogvit.outputs import check_output_file, check_output_folder, write_text
 
 RESOLUTIONS = [224, 384, 512, 640, 768, 1024]
 GPU_BATCHES = [8, 16, 32, 64, 128, 256, 512]
 CPU_MODEL_BATCHES = [1, 4]
 TABLE4_RESOLUTIONS = [224, 384, 512, 640, 768]
-
-
-def _device(arg: str) -> str:
-    import torch
-
-    if arg == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return arg
-
-
-def _dtype(arg: str, device: str) -> str:
-    if arg == "auto":
-        return "fp16" if device.startswith("cuda") else "fp32"
-    return arg
-
-
-def _kv(items: list[str] | None) -> dict[str, Any]:
-    from ssogvit.bench.operator_sweep import _value
-
-    out = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UsageError(f"--set expects key=value, got {item!r}")
-        out[key] = _value(value)
-    return out
+COUNT, POSITIVE, POSITIVE_NUMBER = Int(0), Int(1), Float(0, low_open=True)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--res", type=int, nargs="+", default=RESOLUTIONS, help="image resolutions (default %(default)s)")
-    p.add_argument("--batch", type=int, nargs="+", default=None,
-                   help="batch sizes (default: models 8..512 on CUDA, 1 4 on CPU; operator 8)")
-    p.add_argument("--warmup", type=int, default=10, help="warm-up calls (default 10)")
-    p.add_argument("--iters", type=int, default=50,
-                   help="calls per timed block (default 50; 0: no timing, memory only)")
-    p.add_argument("--blocks", type=int, default=3,
-                   help="timed blocks per point (torch.utils.benchmark.Timer.timeit); the fastest is kept (default 3)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast precision (default: fp16 on CUDA, fp32 on CPU)")
-    p.add_argument("--mode", default="inference", choices=["inference", "train"],
-                   help="inference (torch.inference_mode) or a training step (forward, backward, AdamW step)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in each point's process")
-    p.add_argument("--mem-cap-mib", type=float, default=None,
-                   help="memory cap per point: CPU, address space the point may add (RLIMIT_AS); CUDA, a memory "
-                        "fraction. A point that exceeds it is recorded as out of memory")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
-    p.add_argument("--memory", default="allocator", choices=["allocator", "resident", "both"],
-                   help="CPU peak memory: bytes PyTorch's allocator hands out (default; repeatable between "
-                        "processes), the resident set, or both (peak_mib is then the allocator's)")
-    p.add_argument("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each point's forward (the first warm-up call, which compiles, is compile_s)")
-    p.add_argument("--launcher", default="forkserver", choices=["forkserver", "spawn"],
-                   help="multiprocessing start method of each point's process: forked from a server that has "
-                        "imported torch and ssogvit (default; fast), or a new interpreter")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run the points this many times, each in a fresh process, in rounds; each point keeps its "
-                        "fastest time and lowest peak memory (default 1)")
-    p.add_argument("--repeat-below-ms", type=float, default=None,
-                   help="with --repeats, repeat only points whose first time is below this many ms")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a point is abandoned (default 1800)")
-    p.add_argument("--out", default="bench-results", help="directory for JSON, CSV and PNG (default %(default)s)")
-    p.add_argument("--name", default=None, help="file stem for the results (default: the sub-command)")
+    """The options of every sweep (docs/benchmarks.md has the table of what each means)."""
+    add = p.add_argument
+    add("--res", type=IMG_SIZE.argparse, nargs="+", default=RESOLUTIONS, help="image resolutions")
+    add("--batch", type=BATCH_SIZE.argparse, nargs="+", help="batch sizes (default: models 1 4 on CPU; operator 8)")
+    add("--warmup", type=COUNT.argparse, default=10, help="warm-up calls")
+    add("--iters", type=COUNT.argparse, default=50, help="calls per timed block (0: memory only)")
+    add("--blocks", type=POSITIVE.argparse, default=3, help="timed blocks per point; the fastest is kept")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="autocast (auto: fp16 on CUDA)")
+    add("--mode", default="inference", choices=["inference", "train"], help="train: forward, backward, AdamW step")
+    add("--threads", type=Int(1, 1024).argparse, help="torch threads in each point's process")
+    add("--mem-cap-mib", type=POSITIVE_NUMBER.argparse, help="memory cap per point (out of memory beyond it)")
+    add("--no-memory", action="store_true", help="skip the peak-memory call")
+    add("--memory", default="allocator", choices=["allocator", "resident", "both"], help="CPU peak memory measure")
+    add("--flush-denormal", action="store_true", help="torch.set_flush_denormal(True) in each point")
+    add("--compile", action="store_true", help="torch.compile each point's forward (the first warm-up call: compile_s)")
+    add("--launcher", default="forkserver", choices=["forkserver", "spawn"], help="how a point's process starts")
+    add("--repeats", type=POSITIVE.argparse, default=1, help="rounds of fresh processes; each point keeps its best")
+    add("--repeat-below-ms", type=POSITIVE_NUMBER.argparse, help="repeat only points first timed below this")
+    add("--timeout", type=POSITIVE_NUMBER.argparse, default=1800, help="seconds before a point is abandoned")
+    _add_output_options(p, "bench-results")
+
+
+def _add_output_options(p: argparse.ArgumentParser, out: str | None) -> None:
+    p.add_argument("--out", default=out, help="directory of the results" + (f" (default {out})" if out else ""))
+    p.add_argument("--name", help="file stem of the results (default: the sub-command)")
+    p.add_argument("--overwrite", action="store_true", help="replace results a run of the same name wrote")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--baseline", default=None,
-                   help="mixer the ratios are taken against (default mha, else the first one listed)")
-
-
-def _common(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    if args.iters < 0:
-        raise UsageError(f"--iters expects 0 (memory only) or more calls per timed block, got {args.iters}")
-    if args.iters == 0 and args.no_memory:
-        raise UsageError("--iters 0 (no timing) with --no-memory measures nothing; drop one of them")
-    return dict(
-        warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=_dtype(args.dtype, device),
-        mode=args.mode, threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
-        memory=args.memory, flush_denormal=args.flush_denormal, compile=args.compile,
-    )
+    p.add_argument("--baseline", help="mixer the ratios are taken against (default mha, else the first)")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ssogvit.bench.check import Thresholds
+    from ssogvit.layers import list_mixers
+    from ssogvit.models import FAMILIES, SIZES
+
     ap = ArgumentParser(prog="ssogvit bench", description="Efficiency benchmarks (docs/benchmarks.md).")
     sub = ap.add_subparsers(dest="command", required=True)
-
     m = sub.add_parser("models", help="throughput and peak memory of whole models over resolutions and batches")
-    m.add_argument("--families", nargs="+", default=["vit", "looped", "ode"])
-    m.add_argument("--sizes", nargs="+", default=["base"])
-    m.add_argument("--mixers", nargs="+", default=None,
-                   help="mixers of every family (default: mha ssog; the ode family adds mha-unfused, the explicit "
-                        "attention that the paper benchmarks ODE-ViT with, and is compared with it first)")
-    m.add_argument("--num-classes", type=int, default=1000)
+    f = sub.add_parser("flops", help="forward GFLOPs per image, whole model and attention alone (paper Table 4)")
+    for p in (m, f):
+        p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+        p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["base"])
+        p.add_argument("--num-classes", type=NUM_CLASSES.argparse, default=1000)
+    m.add_argument("--mixers", nargs="+", choices=list_mixers(), default=None, help="mixers of every family "
+                   "(default: mha ssog, and first mha-unfused for ode, as the paper benchmarks ODE-ViT)")
     m.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="more create_model options (e.g. depth=2)")
     _add_run_options(m)
-
+    f.add_argument("--mixers", nargs="+", choices=list_mixers(), default=["mha", "ssog"])
+    f.add_argument("--res", type=IMG_SIZE.argparse, nargs="+", default=TABLE4_RESOLUTIONS)
+    f.add_argument("--check", action="store_true", help="also count with torch's FlopCounterMode (runs a forward)")
+    f.add_argument("--out", default=None, help="directory for flops.json / flops.md / flops.csv")
+    f.add_argument("--overwrite", action="store_true", help="replace the flops files there")
     o = sub.add_parser("operator", help="one mixer alone against attention at each resolution's token count")
-    o.add_argument("--mixers", nargs="+", default=["torch-mha", "mha", "ssog"],
-                   help="mixer names, options after a colon: ssog:impl=einsum,num_atoms=4 (torch-mha: "
-                        "torch.nn.MultiheadAttention)")
-    o.add_argument("--impls", nargs="+", default=None,
-                   help="run each SSoG mixer once per implementation ('all': every one in SSOG_IMPLS)")
-    o.add_argument("--dim", type=int, default=768)
-    o.add_argument("--heads", type=int, default=12)
-    o.add_argument("--patch", type=int, default=16)
-    o.add_argument("--prefix", type=int, default=1, help="prefix tokens (class, registers) in front of the patches")
-    o.add_argument("--matmul-peak", action="store_true",
-                   help="first measure a 2048^3 matmul's GFLOP/s (same threads and precision) and report each "
-                        "mixer's rate as a fraction of it")
+    o.add_argument("--mixers", nargs="+", default=["torch-mha", "mha", "ssog"], help="registered mixer names, "
+                   "options after a colon (ssog:impl=einsum,num_atoms=4), torch-mha: torch.nn.MultiheadAttention")
+    o.add_argument("--impls", nargs="+", default=None, help="each SSoG mixer once per implementation ('all')")
+    o.add_argument("--dim", type=EMBED_DIM.argparse, default=768)
+    o.add_argument("--heads", type=NUM_HEADS.argparse, default=12)
+    o.add_argument("--patch", type=PATCH_SIZE.argparse, default=16)
+    o.add_argument("--prefix", type=Int(0, 1024).argparse, default=1, help="prefix tokens in front of the patches")
+    o.add_argument("--matmul-peak", action="store_true", help="first measure a 2048^3 matmul's GFLOP/s and report "
+                                                              "each mixer's rate as a fraction of it")
     _add_run_options(o)
-
     r = sub.add_parser("report", help="tables and plots again from saved results (several files are merged)")
     r.add_argument("files", nargs="+", help="results JSON files written by models or operator")
-    r.add_argument("--out", default=None, help="directory for NAME.md, NAME.json and the PNGs (default: the first "
-                                                "file's directory)")
-    r.add_argument("--name", default=None, help="file stem (default: the first file's stem + '_report')")
-    r.add_argument("--baseline", default=None)
-    r.add_argument("--no-plots", action="store_true")
-
-    t = sub.add_parser("check", help="SSoG against attention at ViT-B width (mixer alone, steered mixer, whole "
-                                     "models, training steps, matmul peak), pass/fail against the thresholds given")
+    _add_output_options(r, None)
+    t = sub.add_parser("check", help="SSoG against attention at ViT-B width, pass/fail against the thresholds given")
     t.add_argument("--models", nargs="+", default=["vit-base"], help="family-size stems of the whole-model points")
-    t.add_argument("--model-batch", type=int, default=1, help="batch of the whole-model inference points")
-    t.add_argument("--train-res", type=int, nargs="*", default=[], help="resolutions of the training steps (none)")
-    t.add_argument("--train-batch", type=int, nargs="+", default=[1], help="batches of the training steps")
-    t.add_argument("--from-json", default=None, metavar="RESULTS.json",
-                   help="judge a saved run's results again instead of running anything")
-    from ssogvit.bench.check import Thresholds
-
+    t.add_argument("--model-batch", type=BATCH_SIZE.argparse, default=1, help="batch of the whole-model points")
+    t.add_argument("--train-res", type=IMG_SIZE.argparse, nargs="*", default=[], help="resolutions of training steps")
+    t.add_argument("--train-batch", type=BATCH_SIZE.argparse, nargs="+", default=[1], help="batches of training steps")
+    t.add_argument("--from-json", default=None, metavar="RESULTS.json", help="judge a saved run's results again")
     for name in Thresholds.names():
-        t.add_argument("--" + name.replace("_", "-"), type=float, default=None, metavar="X")
+        t.add_argument("--" + name.replace("_", "-"), type=Float(0).argparse, default=None, metavar="X")
     _add_run_options(t)
-    t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS), out="bench-results")
-
-    f = sub.add_parser("flops", help="forward GFLOPs per image, whole model and attention alone (paper Table 4)")
-    f.add_argument("--families", nargs="+", default=["vit", "looped", "ode"])
-    f.add_argument("--sizes", nargs="+", default=["base"])
-    f.add_argument("--mixers", nargs="+", default=["mha", "ssog"])
-    f.add_argument("--res", type=int, nargs="+", default=TABLE4_RESOLUTIONS)
-    f.add_argument("--num-classes", type=int, default=1000)
-    f.add_argument("--check", action="store_true", help="also count with torch's FlopCounterMode (runs a forward)")
-    f.add_argument("--out", default=None, help="directory for flops.json / flops.csv")
+    t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS))
     return ap
+
+
+def _common(args: argparse.Namespace) -> dict[str, Any]:
+    """What every point of a sweep shares, from the run options."""
+    import torch
+
+    if args.iters == 0 and args.no_memory:
+        raise UsageError("--iters 0 (no timing) with --no-memory measures nothing; drop one of them")
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else "fp16" if device == "cuda" else "fp32"
+    return dict(warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=dtype, mode=args.mode,
+                threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
+                memory=args.memory, flush_denormal=args.flush_denormal, compile=args.compile)
+
+
+def _claim(out: str | Path, files: list[str], overwrite: bool) -> Path:
+    """The output folder, created once none of ``files`` there exists (unless ``overwrite``): checked before work."""
+    folder = check_output_folder(out, "--out")
+    for name in files if folder.exists() else []:
+        check_output_file(folder / name, "--out", overwrite=overwrite)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _outputs(command: str, name: str, plots: bool) -> list[str]:
+    figures = {"models": ["_relative.png", "_absolute.png"], "operator": ["_fit.png"]}.get(command, []) if plots else []
+    return [name + s for s in [".json", ".csv", ".md", *figures]]
+
+
+def _sweep(points: list[dict], args: argparse.Namespace, common: dict[str, Any], out: Path, name: str,
+           command_line: str, **meta: Any) -> tuple[list[dict], dict]:
+    """Run ``points`` into ``out/name.*``: the rows, and the meta (machine, command, load before and after)."""
+    from ssogvit.bench.runner import machine_info, run_sweep, write_results
+
+    meta = machine_info(common["device"]) | {"command": command_line, "points": len(points)} | meta
+    rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
+                     repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
+    meta["loadavg_end"] = machine_info(common["device"])["loadavg"]
+    write_results(rows, meta, out, name)
+    return rows, meta
 
 
 def _write_table(text: str, out: Path, name: str) -> None:
     print(text)
-    (out / f"{name}.md").write_text(text + "\n")
+    write_text(out / f"{name}.md", text + "\n", overwrite=True)
+
+
+def _baseline(rows: list[dict], key: str, asked: str | None) -> str:
+    present = list(dict.fromkeys(str(r.get(key)) for r in rows if r.get("kind") != "matmul"))
+    return asked or ("mha" if "mha" in present or not present else present[0])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     command_line = "ssogvit bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    if args.command == "flops":
-        return _flops(args)
-    if args.command == "report":
-        return _report(args)
+    if args.command in ("flops", "report"):
+        return _flops(args) if args.command == "flops" else _report(args)
+    from ssogvit.bench.sweeps import expand_impls, model_points, operator_points, parse_mixer, parse_value
 
-    from ssogvit.bench.runner import machine_info, run_sweep, write_results
-
-    device = _device(args.device)
-    common = _common(args, device)
-    name = args.name or args.command
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    common, name = _common(args), args.name or args.command
     if args.command == "check":
-        return _check(args, device, common, name, out, command_line)
+        return _check(args, common, name, command_line)
     if args.command == "models":
-        from ssogvit.bench.model_sweep import model_points
-
-        batches = args.batch or (GPU_BATCHES if device == "cuda" else CPU_MODEL_BATCHES)
-        kwargs = {"num_classes": args.num_classes, **_kv(args.set)}
+        sets = [item.partition("=") for item in args.set or []]
+        if any(not eq for _, eq, _ in sets):
+            raise UsageError(f"--set expects key=value, got {next(k for k, eq, _ in sets if not eq)!r}")
+        batches = args.batch or (GPU_BATCHES if common["device"] == "cuda" else CPU_MODEL_BATCHES)
         points = model_points(args.families, args.sizes, args.mixers, resolutions=args.res, batches=batches,
-                              model_kwargs=kwargs, **common)
+                              model_kwargs={"num_classes": args.num_classes, **{k: parse_value(v) for k, _, v in sets}},
+                              **common)
     else:
-        from ssogvit.bench.operator_sweep import expand_impls, operator_points
+        from ssogvit.layers import list_mixers
 
-        mixers = expand_impls(args.mixers, args.impls, device)
-        points = operator_points(mixers, dim=args.dim, heads=args.heads, resolutions=args.res,
-                                 batches=args.batch or [8], patch=args.patch, prefix=args.prefix, **common)
+        unknown = [m for m in args.mixers if parse_mixer(m)[0] not in (*list_mixers(), "torch-mha")]
+        if unknown:
+            raise UsageError(f"unknown mixer {unknown[0]!r}; expected one of {[*list_mixers(), 'torch-mha']}")
+        points = operator_points(expand_impls(args.mixers, args.impls, common["device"]), dim=args.dim,
+                                 heads=args.heads, resolutions=args.res, batches=args.batch or [8], patch=args.patch,
+                                 prefix=args.prefix, **common)
         if args.matmul_peak:
             points.insert(0, dict(kind="matmul", label="matmul-2048", size=2048, res=None, tokens=None, batch=1,
                                   **{**common, "measure_memory": False}))
-    meta = machine_info(device) | {"command": command_line, "points": len(points)}
-    rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
-                     repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
-    meta["loadavg_end"] = machine_info(device)["loadavg"]
-    key = "mixer" if args.command == "models" else "label"
-    present = list(dict.fromkeys(str(p[key]) for p in points))
-    baseline = args.baseline or ("mha" if "mha" in present or not present else present[0])
-    write_results(rows, meta, out, name)
-
+    out = _claim(args.out, _outputs(args.command, name, not args.no_plots), args.overwrite)
+    rows, meta = _sweep(points, args, common, out, name, command_line)
     print(f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
-          f"{device}, load average {meta['loadavg']} -> {meta['loadavg_end']}\n")
+          f"{common['device']}, load average {meta['loadavg']} -> {meta['loadavg_end']}\n")
+    baseline = _baseline(points, "mixer" if args.command == "models" else "label", args.baseline)
     _render(args.command, rows, baseline, out, name, plots=not args.no_plots)
     failed = [r for r in rows if r.get("status") == "error"]
     for r in failed:
@@ -218,92 +199,60 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str, *, plots: bool = True) -> None:
-    from ssogvit.bench import plots as _plots
+    """The tables (printed and ``NAME.md``) and plots of a sweep's rows."""
+    from ssogvit.bench import sweeps
 
     if command == "models":
-        from ssogvit.bench.model_sweep import format_model_table, format_saved_table
-
-        saved = format_saved_table(rows)
-        _write_table(format_model_table(rows, baseline) + (f"\n\nWhere the bytes go\n\n{saved}" if saved else ""),
-                     out, name)
-        if plots:
-            for p in (_plots.plot_relative(rows, out / f"{name}_relative.png", baseline),
-                      _plots.plot_models(rows, out / f"{name}_absolute.png")):
-                if p:
-                    print(f"wrote {p}")
+        saved = sweeps.format_saved_table(rows)
+        table = sweeps.format_model_table(rows, baseline)
+        _write_table(table + (f"\nWhere the bytes go\n\n{saved}" if saved else ""), out, name)
+        drawn = [sweeps.plot_relative(rows, out / f"{name}_relative.png", baseline),
+                 sweeps.plot_models(rows, out / f"{name}_absolute.png")] if plots else []
     else:
-        from ssogvit.bench.operator_sweep import format_fits, format_operator_table
-
         peak = next((r for r in rows if r.get("kind") == "matmul" and r.get("status") == "ok"), None)
         rows = [r for r in rows if r.get("kind") != "matmul"]
-        text = format_operator_table(rows, baseline, peak and peak["achieved_gflops_per_s"])
+        text = sweeps.format_operator_table(rows, baseline, peak and peak["achieved_gflops_per_s"])
         if peak:
             text = f"matmul peak (2048^3 torch.mm): {peak['achieved_gflops_per_s']:.1f} GFLOP/s\n\n" + text
-        _write_table(text + "\n\n" + format_fits(rows), out, name)
-        if plots:
-            p = _plots.plot_operator(rows, out / f"{name}_fit.png")
-            if p:
-                print(f"wrote {p}")
+        _write_table(text + "\n" + sweeps.format_fits(rows), out, name)
+        drawn = [sweeps.plot_operator(rows, out / f"{name}_fit.png")] if plots else []
+    for p in filter(None, drawn):
+        print(f"wrote {p}")
 
 
-def _read_mergeable(files: list[str]) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
-    """`(metas, [(file, rows)])` of results files that can share one table, or `UsageError` naming the one that cannot.
-
-    Mergeable: results files of `bench models` or `bench operator` (not `bench flops` tables or `bench check` runs),
-    all of one kind, measured on one machine (CPU, GPU and torch version alike), since their timings are compared
-    side by side.
-    """
-    from ssogvit.bench.runner import read_results
+def _report(args: argparse.Namespace) -> int:
+    """Tables and plots again from results files of one kind and one machine, merged: a point measured in several
+    files is taken from the one given last."""
+    from ssogvit.bench.runner import read_results, write_results
+    from ssogvit.inputs import input_file
 
     metas, parts = [], []
-    for f in files:
+    for f in args.files:
+        path = input_file(f, "FILES")
         try:
-            meta, rows = read_results(f)
-        except FileNotFoundError:
-            raise UsageError(f"{f} does not exist") from None
+            meta, rows = read_results(path)
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"{f} is not a results file of `ssogvit bench models` or `bench operator` (a `bench "
-                             f"flops` file is a complete table already: see flops.md beside it)") from None
+                             "flops` file is a complete table already: see flops.md beside it)") from None
         metas.append(meta | {"file": str(f)})
         parts.append((str(f), rows))
     kinds = {(Path(f), frozenset({r.get("kind") for r in rows} - {"matmul"})) for f, rows in parts}
     if len({k for _, k in kinds}) != 1 or len(next(iter(kinds))[1]) != 1:
         found = ", ".join(f"{f.name}: {'/'.join(sorted(map(str, k))) or 'no rows'}" for f, k in sorted(kinds))
         raise UsageError(f"results of one kind (models or operator) can be merged, got {found}")
-    machine = ("cpu", "gpu", "torch")
-    first = metas[0]
-    for m in metas[1:]:
-        differs = [k for k in machine if m.get(k) != first.get(k)]
-        if differs:
-            k = differs[0]
-            raise UsageError(f"{m['file']} was measured with {k} {m.get(k)!r} and {first['file']} with "
-                             f"{first.get(k)!r}: timings of different machines cannot share one table")
-    return metas, parts
-
-
-def _report(args: argparse.Namespace) -> int:
-    from ssogvit.bench.runner import write_results
-
-    metas, parts = _read_mergeable(args.files)
-    rows = [r for _, part in parts for r in part]
-    command = "models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator"
-    first = Path(args.files[0])
-    out = Path(args.out) if args.out else first.parent
-    name = args.name or first.stem + "_report"
-    out.mkdir(parents=True, exist_ok=True)
-    # Rule for a point measured in several files: the file given last on the command line wins (said below).
-    keyed: dict[tuple, tuple[str, dict]] = {}
+    for m, k in ((m, k) for m in metas[1:] for k in ("cpu", "gpu", "torch") if m.get(k) != metas[0].get(k)):
+        raise UsageError(f"{m['file']} was measured with {k} {m.get(k)!r} and {metas[0]['file']} with "
+                         f"{metas[0].get(k)!r}: timings of different machines cannot share one table")
+    keyed: dict[tuple, dict] = {}  # the file given last wins a point measured in several
     seen_in: dict[tuple, list[str]] = {}
-    for f, part in parts:
-        for r in part:
-            key = (r.get("kind"), r.get("label"), r.get("res"), r.get("batch"), r.get("mode"), r.get("dtype"),
-                   r.get("device"), r.get("threads"))
-            keyed[key] = (f, r)
-            seen_in.setdefault(key, []).append(Path(f).name)
-    rows = [r for _, r in keyed.values()]
-    key = "mixer" if command == "models" else "label"
-    present = list(dict.fromkeys(str(r.get(key)) for r in rows))
-    baseline = args.baseline or ("mha" if "mha" in present or not present else present[0])
+    for f, r in ((f, r) for f, part in parts for r in part):
+        key = tuple(r.get(k) for k in ("kind", "label", "res", "batch", "mode", "dtype", "device", "threads"))
+        keyed[key] = r
+        seen_in.setdefault(key, []).append(Path(f).name)
+    rows, first = list(keyed.values()), Path(args.files[0])
+    command, name = ("models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator",
+                     args.name or first.stem + "_report")
+    out = _claim(args.out or first.parent, _outputs(command, name, not args.no_plots), args.overwrite)
     repeated = {k: files for k, files in seen_in.items() if len(files) > 1}
     rule = "a point measured in several files is taken from the file given last on the command line"
     write_results(rows, {"merged_from": metas, "merge_rule": rule, "points_in_several_files": len(repeated)}, out,
@@ -316,60 +265,55 @@ def _report(args: argparse.Namespace) -> int:
                           for k, files in list(repeated.items())[:3])
         print(f"# {len(repeated)} point(s) measured in several files; {rule} ({shown}"
               f"{'; ...' if len(repeated) > 3 else ''})")
-    _render(command, rows, baseline, out, name, plots=not args.no_plots)
+    _render(command, rows, _baseline(rows, "mixer" if command == "models" else "label", args.baseline), out, name,
+            plots=not args.no_plots)
     return 0
 
 
 def _flops(args: argparse.Namespace) -> int:
     from ssogvit.bench.flops import flops_rows, format_flops_table
 
+    out = _claim(args.out, ["flops.json", "flops.md", "flops.csv"], args.overwrite) if args.out else None
     names = [f"{fam}-{size}-{mixer}" for fam in args.families for size in args.sizes for mixer in args.mixers]
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.check else None  # the check takes minutes
     rows = flops_rows(names, args.res, check=args.check, model_kwargs={"num_classes": args.num_classes}, log=log)
-    text = format_flops_table(rows)
-    print(text)
-    if args.out:
-        import csv
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "flops.json").write_text(json.dumps(rows, indent=1) + "\n")
-        (out / "flops.md").write_text(text + "\n")
-        fields = list(dict.fromkeys(k for r in rows for k in r))
-        with (out / "flops.csv").open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
+    print(text := format_flops_table(rows))
+    if out is not None:
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+        contents = {"json": json.dumps(rows, indent=1) + "\n", "md": text + "\n", "csv": table.getvalue()}
+        for file, content in contents.items():
+            write_text(out / f"flops.{file}", content, overwrite=True)
     return 0
 
 
-def _check(args: argparse.Namespace, device: str, common: dict[str, Any], name: str, out: Path,
-           command_line: str) -> int:
+def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_line: str) -> int:
     from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
-    from ssogvit.bench.runner import machine_info, read_results, run_sweep, write_results
+    from ssogvit.bench.runner import read_results
 
     limits = Thresholds(**{k: getattr(args, k) for k in Thresholds.names()})
+    written = [f"{name}_checks.json", f"{name}_table.md"] + ([] if args.from_json else [f"{name}.json", f"{name}.csv"])
     if args.from_json:
         try:
             meta, rows = read_results(args.from_json)
         except (OSError, ValueError, KeyError, TypeError):
             raise UsageError(f"{args.from_json} is not a results file of `ssogvit bench check`") from None
         meta = {"loadavg_end": meta.get("loadavg")} | meta | {"command": command_line}
+        out = _claim(args.out, written, args.overwrite)
     else:
         points = check_points(resolutions=args.res, batches=args.batch or [1, 8], models=args.models,
                               model_batch=args.model_batch, train_resolutions=args.train_res,
                               train_batches=args.train_batch, **common)
-        meta = machine_info(device) | {"command": command_line, "points": len(points), "repeats": args.repeats,
-                                       "repeat_below_ms": args.repeat_below_ms}
-        rows = run_sweep(points, out_dir=out, name=name, meta=meta, timeout=args.timeout, launcher=args.launcher,
-                         repeats=args.repeats, repeat_below_ms=args.repeat_below_ms)
-        meta["loadavg_end"] = machine_info(device)["loadavg"]
-        write_results(rows, meta, out, name)
+        out = _claim(args.out, written, args.overwrite)
+        rows, meta = _sweep(points, args, common, out, name, command_line, repeats=args.repeats,
+                            repeat_below_ms=args.repeat_below_ms)
     checks = evaluate(rows, limits)
-    (out / f"{name}_checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+    write_text(out / f"{name}_checks.json", json.dumps(checks, indent=1) + "\n", overwrite=True)
     header = (f"# {meta['command']}\n# {meta.get('cpu')}, torch {meta.get('torch')}, {meta.get('torch_threads')} "
-              f"threads, device {device}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}, ssogvit "
-              f"{meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
+              f"threads, device {common['device']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}, "
+              f"ssogvit {meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
     if meta.get("repeats", 1) > 1:
         below = f" whose first time was below {meta['repeat_below_ms']:g} ms" if meta.get("repeat_below_ms") else ""
         header += (f"# each point ran in {meta['repeats']} fresh processes{below}; it keeps its fastest time and its "

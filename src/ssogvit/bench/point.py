@@ -1,13 +1,12 @@
-"""One benchmark point, run in a process of its own (``ssogvit.bench.runner`` starts it).
-
-A point is a dict: what to build (``kind`` ``"model"``, ``"operator"`` or ``"matmul"``), resolution, batch, mode
-(``"inference"`` or ``"train"``: forward, backward and an AdamW step), precision, device, threads, iterations and an
-optional memory cap. ``run(point)`` builds it, warms it up, times it with ``torch.utils.benchmark.Timer`` and
-measures its peak memory (``ssogvit.bench.memory``); it never raises: a failure is the row's ``status``.
-"""
+"""One benchmark point in a process of its own (docs/benchmarks.md, "How a point is run"). A point is a dict: ``kind``
+(``"model"``, ``"operator"``: a registered mixer or ``"torch-mha"``, ``"matmul"``), ``batch``, ``mode`` (``"train"``:
+forward, the output's mean as loss, backward, AdamW step), ``dtype``, ``device``, ``threads``, ``warmup``, ``iters``,
+``blocks``, ``memory``, ``mem_cap_mib``. ``run`` never raises: a failure is the row's ``status``."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ import torch
 
 from ssogvit.bench import memory
 
-__all__ = ["run", "is_oom"]
+__all__ = ["is_oom", "make_step", "run"]
 
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory", "bad_alloc")
 _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,46 +34,41 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Callable[[], Any], torch.Tensor, dict]:
-    """Return ``(module, forward, x, info)``: ``forward()`` runs the module once on the point's input ``x``."""
+    """``(module, forward, x, info)``: ``forward()`` runs the module once on the input ``x``; ``info``: GFLOPs per
+    image (``None`` for a mixer that does not count its FLOPs) and, for a model, its grid and tokens."""
     from ssogvit.bench.flops import count_flops, grid_of, mixer_flops
 
-    batch = int(spec["batch"])
-    info: dict[str, Any] = {}
-    if spec["kind"] == "model":
+    batch, kind, info = int(spec["batch"]), spec["kind"], {}
+    if kind == "model":
         from ssogvit.models import create_model
 
         res = int(spec["res"])
-        model = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {}))
-        info["gflops_per_image"] = count_flops(model, res) / 1e9
-        gh, gw = grid_of(model, res)
-        info["grid"] = [gh, gw]
-        info["tokens"] = int(getattr(model, "num_prefix_tokens", 1)) + gh * gw
-        model = model.to(device)
-        x = torch.randn(batch, getattr(model, "in_chans", 3), res, res, device=device)
-        return model, lambda: model(x), x, info
-    if spec["kind"] == "operator":
-        dim, heads, prefix = int(spec["dim"]), int(spec["heads"]), int(spec.get("prefix", 1))
-        gh, gw = spec["grid"]
-        options = dict(spec.get("mixer_options") or {})
-        x = torch.randn(batch, prefix + gh * gw, dim, device=device)
-        if spec["mixer"] == "torch-mha":
-            mha = torch.nn.MultiheadAttention(dim, heads, batch_first=True, **options)
-            info["gflops_per_image"] = mixer_flops(mha, (gh, gw), prefix)["total"] / 1e9
-            mha = mha.to(device)
-            return mha, lambda: mha(x, x, x, need_weights=False)[0], x, info
+        module = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {})).to(device)
+        gh, gw = grid_of(module, res)
+        info.update(grid=[gh, gw], tokens=module.num_prefix_tokens + gh * gw, gflops=count_flops(module, res))
+        x = torch.randn(batch, module.in_chans, res, res, device=device)
+        forward = functools.partial(module, x)
+    elif kind == "operator":
         from ssogvit.layers import create_mixer
 
-        mixer = create_mixer(spec["mixer"], dim, heads, **options)
-        info["gflops_per_image"] = mixer_flops(mixer, (gh, gw), prefix)["total"] / 1e9
-        mixer = mixer.to(device)
-        return mixer, lambda: mixer(x, grid=(gh, gw)), x, info
-    if spec["kind"] == "matmul":  # the machine's dense matmul rate, the ceiling for every mixer
+        dim, heads, prefix, (gh, gw) = int(spec["dim"]), int(spec["heads"]), int(spec.get("prefix", 1)), spec["grid"]
+        options, x = dict(spec.get("mixer_options") or {}), torch.randn(batch, prefix + gh * gw, dim, device=device)
+        if spec["mixer"] == "torch-mha":
+            module = torch.nn.MultiheadAttention(dim, heads, batch_first=True, **options).to(device)
+            forward = functools.partial(module, x, x, x, need_weights=False)  # -> (output, None)
+        else:
+            module = create_mixer(spec["mixer"], dim, heads, **options).to(device)
+            forward = functools.partial(module, x, grid=(gh, gw), num_prefix_tokens=prefix)
+        with contextlib.suppress(TypeError):  # a mixer that does not count its FLOPs: timed and measured, no rates
+            info["gflops"] = mixer_flops(module, (gh, gw), prefix)["total"]
+    elif kind == "matmul":  # the machine's dense matmul rate, the ceiling for every mixer
         size = int(spec.get("size", 2048))
-        lin = torch.nn.Linear(size, size, bias=False).to(device)
-        a = torch.randn(size, size, device=device)
-        info["gflops_per_image"] = 2 * size**3 / 1e9
-        return lin, lambda: torch.mm(a, lin.weight), a, info
-    raise ValueError(f"unknown point kind {spec['kind']!r}; expected 'model', 'operator' or 'matmul'")
+        module, x = torch.nn.Linear(size, size, bias=False).to(device), torch.randn(size, size, device=device)
+        forward, info["gflops"] = functools.partial(torch.mm, x, module.weight), 2 * size**3
+    else:
+        raise ValueError(f"unknown point kind {kind!r}; expected 'model', 'operator' or 'matmul'")
+    gflops = info.pop("gflops", None)
+    return module, forward, x, info | {"gflops_per_image": None if gflops is None else gflops / 1e9}
 
 
 def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: torch.device, precision: str,
@@ -94,7 +88,8 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
 
     def step():
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            loss = forward().float().mean()
+            out = forward()
+            loss = (out[0] if isinstance(out, tuple) else out).float().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -103,23 +98,19 @@ def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: to
 
 
 def _time(step: Callable[[], Any], *, iters: int, blocks: int, batch: int) -> dict[str, Any]:
-    """``blocks`` blocked measurements of ``iters`` calls each (``Timer.timeit``); the best block is the estimate."""
-    # Importing the timer imports torch.utils.cpp_extension, which logs "No CUDA runtime is found" on a machine with
-    # a CUDA toolkit and no GPU: nothing here compiles an extension, so that line is only noise in each point's output.
+    # the timer imports torch.utils.cpp_extension, whose "No CUDA runtime is found" (a CUDA toolkit, no GPU) is noise
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils.benchmark import Timer
 
     timer = Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
     per_call = [timer.timeit(number=iters).mean for _ in range(blocks)]
     best = min(per_call)
-    return dict(
-        time_ms=1e3 * best, time_ms_blocks=[1e3 * t for t in per_call],
-        time_ms_median=1e3 * statistics.median(per_call), time_ms_spread=(max(per_call) - best) / best,
-        images_per_s=batch / best,
-    )
+    return dict(time_ms=1e3 * best, time_ms_blocks=[1e3 * t for t in per_call],
+                time_ms_median=1e3 * statistics.median(per_call), time_ms_spread=(max(per_call) - best) / best,
+                images_per_s=batch / best)
 
 
-def _setup(spec: dict[str, Any], device: torch.device, result: dict[str, Any]) -> None:
+def _setup(spec: dict[str, Any], device: torch.device) -> None:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     if spec.get("flush_denormal"):
@@ -129,14 +120,12 @@ def _setup(spec: dict[str, Any], device: torch.device, result: dict[str, Any]) -
     torch.manual_seed(int(spec.get("seed", 0)))
     torch.mm(torch.ones(512, 512), torch.ones(512, 512))  # start the thread pool before any cap
     cap = spec.get("mem_cap_mib")
-    if cap:
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**20 / total), device)
-        else:
-            memory.limit_arenas(2)  # each malloc arena reserves 64 MiB of address space, which the cap counts
-            memory.cap_address_space(float(cap))
-        result["mem_cap_mib"] = cap
+    if cap and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**20 / total), device)
+    elif cap:
+        memory.limit_arenas(2)  # each malloc arena reserves 64 MiB of address space, which the cap counts
+        memory.cap_address_space(float(cap))
 
 
 def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, forward: Callable[[], Any],
@@ -144,15 +133,13 @@ def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, f
     """Peak memory of one ``step``; ``kept``: the module, its optimizer (or ``None``) and the input."""
     if device.type == "cuda":
         return memory.cuda_peak_call(step, device)
-    how = spec.get("memory", "allocator")
-    out: dict[str, Any] = {}
+    how, out = spec.get("memory", "allocator"), {}
     if how in ("resident", "both"):
         rss = memory.cpu_peak_call(step)
         out.update(rss, rss_peak_mib=rss["peak_mib"])
     if how in ("allocator", "both"):
-        # The profiler's library (kineto) logs "ERROR: ... gpuGetDeviceCount failed" on a CUDA build of torch without
-        # a GPU, though only CPU activity is asked for: this process is the point's own, so quiet it unless the user
-        # set the level.
+        # kineto logs "ERROR: ... gpuGetDeviceCount failed" on a CUDA build of torch without a GPU though only CPU
+        # activity is asked for: this process is the point's own, so quiet it unless the user set the level
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         alloc = memory.torch_peak_call(step, kept=kept)
         method = "torch allocator (profiler memory events)" + ("; resident in rss_peak_mib" if how == "both" else "")
@@ -170,7 +157,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     stage = "setup"
     try:
         device = torch.device(spec.get("device", "cpu"))
-        _setup(spec, device, result)
+        _setup(spec, device)
+        if spec.get("mem_cap_mib"):
+            result["mem_cap_mib"] = spec["mem_cap_mib"]
         train = spec.get("mode", "inference") == "train"
         stage = "build"
         module, forward, x, info = _build(spec, device)
@@ -188,15 +177,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             stage = "timing"
             result.update(_time(step, iters=int(spec.get("iters", 50)), blocks=int(spec.get("blocks", 3)),
                                 batch=int(spec["batch"])))
-            gf = result.get("gflops_per_image")
-            if gf:
-                result["achieved_gflops_per_s"] = gf * result["images_per_s"]
+            if result.get("gflops_per_image"):
+                result["achieved_gflops_per_s"] = result["gflops_per_image"] * result["images_per_s"]
         if spec.get("measure_memory", True):
             stage = "memory"
             result.update(_measure_memory(spec, step, [module, opt, x], forward, device, train))
-    except BaseException as exc:  # a point's failure is its result
-        if isinstance(exc, KeyboardInterrupt):
-            raise
+    except Exception as exc:  # a point's failure is its result
         result["status"] = "oom" if is_oom(exc) else "error"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         result["error"] = f"{stage}: {type(exc).__name__}: {first}"

@@ -13,7 +13,8 @@ UNUSED_KEYS = ("model", "experiment", "transfer", "ema", "mixup")
 def convert_main(argv: list[str]) -> int:
     """``ssogvit convert --teacher PATH [--timm-model NAME] [--calib DIR] [--out DIR] [HYDRA ARGS ...]``"""
     from ssogvit.errors import UsageError
-    from ssogvit.train.cli import ArgumentParser, run_config_command
+    from ssogvit.errors import ArgumentParser
+    from ssogvit.train.cli import run_config_command
 
     parser = ArgumentParser(
         prog="ssogvit convert",

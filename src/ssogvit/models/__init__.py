@@ -1,6 +1,6 @@
 """The three model families of docs/models.md (discrete ViT, looped ViT, continuous ODE-ViT), built by name."""
 
-from ._common import GLOBAL_POOLS, SIZES, Block, CenterNorm, GridContext, VisionTransformerBase
+from ._common import GLOBAL_POOLS, SIZES, Block, BlockStack, CenterNorm, VisionTransformerBase
 from .looped import Loop, LoopedViT
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
@@ -25,9 +25,9 @@ __all__ = [
     "SIZES",
     "STEPPED_SOLVERS",
     "Block",
+    "BlockStack",
     "CenterNorm",
     "Flow",
-    "GridContext",
     "Loop",
     "LoopedViT",
     "ODEViT",

@@ -14,8 +14,9 @@ from typing import Annotated, Any, ClassVar
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, resample_abs_pos_embed, to_2tuple, trunc_normal_
-from timm.models import checkpoint_seq, save_for_hf
+from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
+from timm.models import checkpoint, save_for_hf
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
@@ -40,7 +41,7 @@ from ssogvit.outputs import staged_outputs
 
 from . import transfer
 
-__all__ = ["GLOBAL_POOLS", "SIZES", "Block", "CenterNorm", "GridContext", "VisionTransformerBase", "layer_norm"]
+__all__ = ["GLOBAL_POOLS", "SIZES", "Block", "BlockStack", "CenterNorm", "VisionTransformerBase", "layer_norm"]
 
 #: size name -> (embed_dim, num_heads, depth). Depth is blocks (vit), loop steps T (looped) or steps / NFE (ode).
 SIZES: dict[str, tuple[int, int, int]] = {
@@ -78,20 +79,6 @@ class CenterNorm(nn.Module):
         return (self.dim / (self.dim - 1)) * centred * self.weight + self.bias
 
 
-class GridContext:
-    """The patch grid ``(Gh, Gw)`` of the forward pass in progress, shared by a model and its blocks.
-
-    timm's blocks are called as ``block(x)``; the model writes the grid here when it embeds the images (``_pos_embed``)
-    and every block passes it, with the prefix-token count, explicitly to its mixer.
-    """
-
-    __slots__ = ("grid", "num_prefix_tokens")
-
-    def __init__(self, num_prefix_tokens: int) -> None:
-        self.grid: tuple[int, int] | None = None
-        self.num_prefix_tokens = num_prefix_tokens
-
-
 #: timm's ``VisionTransformer`` passes its attention options to every block; at these values they describe what the
 #: mixers do, any other value is refused by ``Block`` rather than ignored.
 _TIMM_BLOCK_DEFAULTS = dict(
@@ -104,8 +91,10 @@ class Block(nn.Module):
     """Pre-norm Transformer block whose token mixer is any registered mixer; timm's ``block_fn``.
 
     Attribute names follow timm's ``Block`` (``norm1``, ``attn``, ``norm2``, ``mlp``), so a timm ViT state dict loads
-    into an MHA model unchanged, and like timm's it is called as ``block(x)`` and returns a tensor. The patch grid
-    comes from the ``context`` its model fills in. Two ways to apply it:
+    into an MHA model unchanged. Like timm's EVA block, which takes its rotary embedding as an argument, it is called
+    with the patch grid of the tokens, ``block(z, grid)``, and hands it to its mixer with the prefix-token count; it
+    keeps no state between calls, so gradient checkpointing, two forwards at different grids before one backward
+    and nested models need nothing more. Two ways to apply it:
 
     - ``forward``: the residual block ``z + Mixer(N1(z))``, then ``+ MLP(N2(.))`` (discrete and looped families);
     - ``vector_field``: the parallel form ``Mixer(N1(z)) + MLP(N2(z))`` (the ODE family's ``f`` before scaling).
@@ -115,7 +104,7 @@ class Block(nn.Module):
         num_heads: heads ``H``.
         mlp_ratio: MLP hidden width over ``D``.
         mixer: mixer name (``ssogvit.layers.list_mixers()``).
-        context: the model's ``GridContext``.
+        num_prefix_tokens: class and register tokens in front of the patches (``None``: whatever is not a patch).
         mixer_options: keyword options for ``create_mixer``.
         drop_path: stochastic-depth rate of both residual branches.
         norm_layer: builds a norm from ``D`` (timm passes its LayerNorm).
@@ -132,7 +121,7 @@ class Block(nn.Module):
         mlp_ratio: float = 4.0,
         *,
         mixer: str,
-        context: GridContext,
+        num_prefix_tokens: int | None = None,
         mixer_options: dict[str, Any] | None = None,
         drop_path: float = 0.0,
         norm_layer: Callable[[int], nn.Module] = layer_norm,
@@ -148,7 +137,7 @@ class Block(nn.Module):
         if changed:
             raise ValueError(f"ssogvit blocks do not support the timm block option(s) {changed}")
         norm = block_norm or norm_layer
-        self.context = context
+        self.num_prefix_tokens = num_prefix_tokens
         self.norm1 = norm(dim)
         self.attn = create_mixer(mixer, dim, num_heads, **(mixer_options or {}))
         self.norm2 = norm(dim)
@@ -161,23 +150,39 @@ class Block(nn.Module):
         """The token mixer (stored as ``attn``, timm's name)."""
         return self.attn
 
-    def mix(self, x: Tensor) -> Tensor:
-        """The mixer on ``x (B, P + Gh*Gw, D)`` with the grid and prefix count of the forward pass in progress."""
-        grid = self.context.grid
+    def mix(self, x: Tensor, grid: tuple[int, int] | None) -> Tensor:
+        """The mixer on ``x (B, P + Gh*Gw, D)`` over the patch grid ``(Gh, Gw)``, with the block's prefix count."""
         if grid is None:
-            raise ValueError("no patch grid: blocks run inside their model's forward, which sets it")
-        return self.attn(x, grid=grid, num_prefix_tokens=self.context.num_prefix_tokens)
+            raise ValueError("a block needs the patch grid of its tokens: call block(z, grid=(Gh, Gw))")
+        return self.attn(x, grid=grid, num_prefix_tokens=self.num_prefix_tokens)
 
-    def forward(self, z: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """Residual block ``(B, T, D) -> (B, T, D)``; timm's call (no mask: mixing is over the whole image)."""
+    def forward(
+        self, z: Tensor, grid: tuple[int, int] | None = None, attn_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        """Residual block ``(B, T, D) -> (B, T, D)`` on tokens over ``grid`` (no mask: mixing is over the image)."""
         if attn_mask is not None or is_causal:
             raise ValueError("ssogvit blocks take no attention mask or causal flag")
-        z = z + self.drop_path1(self.mix(self.norm1(z)))
+        z = z + self.drop_path1(self.mix(self.norm1(z), grid))
         return z + self.drop_path2(self.mlp(self.norm2(z)))
 
-    def vector_field(self, z: Tensor) -> Tensor:
-        """Parallel form ``Mixer(N1(z)) + MLP(N2(z))``."""
-        return self.mix(self.norm1(z)) + self.mlp(self.norm2(z))
+    def vector_field(self, z: Tensor, grid: tuple[int, int] | None = None) -> Tensor:
+        """Parallel form ``Mixer(N1(z)) + MLP(N2(z))`` on tokens over ``grid``."""
+        return self.mix(self.norm1(z), grid) + self.mlp(self.norm2(z))
+
+
+class BlockStack(nn.Sequential):
+    """The discrete ViT's blocks, applied in turn to tokens over one grid: ``stack(z, grid)``; indexing and slicing
+    are ``nn.Sequential``'s (state-dict keys ``blocks.{i}.*``, as timm's)."""
+
+    def forward(self, z: Tensor, grid: tuple[int, int]) -> Tensor:  # type: ignore[override]
+        for block in self:
+            z = block(z, grid)
+        return z
+
+
+def _no_mask(attn_mask: Tensor | None, is_causal: bool) -> None:
+    if attn_mask is not None or is_causal:
+        raise ValueError("ssogvit models take no attention mask or causal flag")
 
 
 def _init_linear(module: nn.Module) -> None:
@@ -282,8 +287,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
             name = f"{self.family}-{size}-{mixer}"
-        context = GridContext(1 + num_registers)
-        block_fn = partial(Block, mixer=mixer, mixer_options=mixer_options, context=context,
+        block_fn = partial(Block, mixer=mixer, mixer_options=mixer_options, num_prefix_tokens=1 + num_registers,
                            block_norm=self._block_norm(options))
         try:
             super().__init__(
@@ -295,7 +299,6 @@ class VisionTransformerBase(TimmVisionTransformer):
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: cannot build mixer {mixer!r} with options {mixer_options}: {err}") from err
-        self.grid_context = context
         self.num_heads = num_heads
         self.depth = depth
         self.mixer_name = mixer
@@ -349,8 +352,9 @@ class VisionTransformerBase(TimmVisionTransformer):
 
     def _steps(self, blocks: nn.Sequential, *, drop_path_rate: float) -> nn.Module:
         """The sequence of ``depth`` block applications built from timm's blocks (``depth`` blocks, or one with
-        ``shared_block``); the discrete ViT applies each block once, with timm's linearly rising drop path."""
-        return blocks
+        ``shared_block``), called as ``steps(z, grid)``; the discrete ViT applies each block once, with timm's
+        linearly rising drop path."""
+        return BlockStack(*blocks)
 
     def _set_steps(self, blocks: nn.Module) -> None:
         """Install a block sequence; timm's feature_info lists one entry per block application."""
@@ -442,14 +446,9 @@ class VisionTransformerBase(TimmVisionTransformer):
     # -- forward ---------------------------------------------------------------------------------------------------
 
     def _pos_embed(self, x: Tensor) -> Tensor:
-        """Patch grid ``(B, Gh, Gw, D)`` -> tokens ``(B, P + Gh*Gw, D)`` with position; records the grid for the
-        blocks (timm calls this in every forward)."""
+        """Patch grid ``(B, Gh, Gw, D)`` -> tokens ``(B, P + Gh*Gw, D)`` with position."""
         b, gh, gw, d = x.shape
-        grid = (gh, gw)
-        self.grid_context.grid = grid
-        pos = self.pos_embed
-        if grid != self.grid_size:
-            pos = resample_abs_pos_embed(pos, new_size=list(grid), old_size=list(self.grid_size), num_prefix_tokens=1)
+        pos = transfer.resize_pos_embed(self.pos_embed, self.grid_size, (gh, gw), num_prefix_tokens=1)
         parts = [self.cls_token.expand(b, -1, -1) + pos[:, :1]]
         if self.reg_token is not None:
             parts.append(self.reg_token.expand(b, -1, -1))
@@ -457,28 +456,78 @@ class VisionTransformerBase(TimmVisionTransformer):
         return self.pos_drop(torch.cat(parts, dim=1))  # (B, P + N, D)
 
     def embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and the grid ``(Gh, Gw)``."""
+        """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and their grid ``(Gh, Gw)``,
+        which every block application takes as an argument."""
         if x.ndim != 4:
             raise ValueError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}")
         h, w = x.shape[-2:]
         p = self.patch_size
         if h % p or w % p:
             raise ValueError(f"image size {h}x{w} is not divisible by the patch size {p}")
-        z = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
-        return z, self.grid_context.grid
+        patches = self.patch_embed(x)  # (B, Gh, Gw, D)
+        grid = (patches.shape[1], patches.shape[2])
+        return self.norm_pre(self.patch_drop(self._pos_embed(patches))), grid
+
+    def apply_steps(self, z: Tensor, grid: tuple[int, int], steps: nn.Module | None = None) -> Tensor:
+        """Tokens over ``grid`` through ``steps`` (default: all of ``blocks``), each step checkpointed when
+        gradient checkpointing is on (the grid is an argument of each checkpointed call, so a recomputation
+        sees the grid of its own forward)."""
+        steps = self.blocks if steps is None else steps
+        if not self.grad_checkpointing:
+            return steps(z, grid)
+        for step in steps:
+            z = checkpoint(step, z, grid)
+        return z
 
     def forward_features(
         self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False, *, pre_norm: bool = False
     ) -> Tensor:
         """timm's: images -> tokens ``(B, P + N, D)``, after the final norm unless ``pre_norm``."""
-        if attn_mask is not None or is_causal:
-            raise ValueError("ssogvit models take no attention mask or causal flag")
-        z, _ = self.embed(x)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            z = checkpoint_seq(self.blocks, z)
-        else:
-            z = self.blocks(z)
+        _no_mask(attn_mask, is_causal)
+        z, grid = self.embed(x)
+        z = self.apply_steps(z, grid)
         return z if pre_norm else self.norm(z)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]] | dict[str, Any]:
+        """timm's (the arguments and outputs of ``timm.models.VisionTransformer.forward_intermediates``): the
+        tokens after the block applications ``indices`` (last ``n`` if an int, all if ``None``), as ``NCHW`` maps
+        or ``NLC`` patch tokens, with or without the final ``norm`` and the prefix tokens."""
+        _no_mask(attn_mask, is_causal)
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take, last = feature_take_indices(len(self.blocks), indices)
+        z, grid = self.embed(x)
+        taken = []
+        for i, step in enumerate(self.blocks[: last + 1] if stop_early else self.blocks):
+            z = checkpoint(step, z, grid) if self.grad_checkpointing else step(z, grid)
+            if i in take:
+                taken.append(self.norm(z) if norm else z)
+        p = self.num_prefix_tokens
+        prefix, maps = [t[:, :p] for t in taken], [t[:, p:] for t in taken]
+        if output_fmt == "NCHW":  # (B, N, D) -> (B, D, Gh, Gw)
+            maps = [t.reshape(t.shape[0], *grid, -1).permute(0, 3, 1, 2).contiguous() for t in maps]
+        if output_dict:
+            out: dict[str, Any] = {"image_intermediates": maps}
+            if return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix
+            if not intermediates_only:
+                out["image_features"] = self.norm(z)
+            return out
+        if return_prefix_tokens:
+            maps = list(zip(maps, prefix))
+        return maps if intermediates_only else (self.norm(z), maps)
 
     # -- transfer --------------------------------------------------------------------------------------------------
 

@@ -36,8 +36,8 @@ class Loop(nn.Module):
 
     ``loop[i]`` is the block (its ``i``-th application), ``loop[:k]`` the first ``k`` steps, iteration yields the block
     ``steps`` times: so timm's ``forward_intermediates`` returns one intermediate per iteration, its
-    ``prune_intermediate_layers`` keeps the first iterations and ``checkpoint_seq`` checkpoints each iteration. The
-    block is stored once (state-dict keys ``blocks.0.*``).
+    ``prune_intermediate_layers`` keeps the first iterations and gradient checkpointing checkpoints each iteration.
+    It is called as ``loop(z, grid)``; the block is stored once (state-dict keys ``blocks.0.*``).
     """
 
     def __init__(self, block: nn.Module, steps: int) -> None:
@@ -64,9 +64,9 @@ class Loop(nn.Module):
             raise IndexError(f"step {index} out of range for a loop of {self.steps} steps")
         return self.block
 
-    def forward(self, z: Tensor) -> Tensor:
+    def forward(self, z: Tensor, grid: tuple[int, int]) -> Tensor:
         for _ in range(self.steps):
-            z = self.block(z)
+            z = self.block(z, grid)
         return z
 
     def extra_repr(self) -> str:

@@ -39,18 +39,20 @@ STEPPED_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4")
 
 
 class _Field(nn.Module):
-    """``f(t, z)`` for torchdiffeq: the block's parallel form, scaled; counts its evaluations."""
+    """``f(t, z)`` for torchdiffeq: the block's parallel form on tokens over ``grid``, scaled; counts its
+    evaluations. One is made per solve, so the grid is that solve's own."""
 
-    def __init__(self, block: Block, scale: float) -> None:
+    def __init__(self, block: Block, scale: float, grid: tuple[int, int]) -> None:
         super().__init__()
         self.block = block
         self.scale = scale
+        self.grid = grid
         self.calls = 0
 
     def forward(self, t: Tensor, z: Tensor, perturb: Any = None) -> Tensor:
         # autonomous: t unused; ``perturb`` is what torchdiffeq's step functions pass (no discontinuities here)
         self.calls += 1
-        return self.scale * self.block.vector_field(z)
+        return self.scale * self.block.vector_field(z, self.grid)
 
 
 class Flow(nn.Module):
@@ -114,8 +116,9 @@ class Flow(nn.Module):
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         return torch.linspace(0.0, 1.0, self.total + 1, dtype=dtype, device=like.device)
 
-    def forward(self, z: Tensor) -> Tensor:
-        field = _Field(self.block, self.scale)
+    def forward(self, z: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Integrate tokens ``z (B, P + Gh*Gw, D)`` over the patch grid ``grid`` from ``t_start`` to ``t_stop``."""
+        field = _Field(self.block, self.scale, grid)
         t = self.time_grid(z)
         if self.stepped:
             solver = SOLVERS[self.solver](func=field, y0=z, rtol=self.rtol, atol=self.atol)

@@ -38,8 +38,13 @@ def resize_patch_embed(patch_embed: PatchEmbed, patch_size: int) -> None:
 def resize_pos_embed(
     pos_embed: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int], *, num_prefix_tokens: int = 1
 ) -> Tensor:
-    """Bicubic resize of the patch part of ``(1, prefix + Gh*Gw, D)`` from ``old_grid`` to ``new_grid``."""
-    if tuple(old_grid) == tuple(new_grid):
+    """Bicubic resize of the patch part of ``(1, prefix + Gh*Gw, D)`` from ``old_grid`` to ``new_grid``.
+
+    Under ``torch.export`` (and the dynamo ONNX exporter) the resize is always in the graph, as timm does, so that a
+    graph exported with a dynamic image size holds at every size: at the same grid the bicubic resize is the
+    identity, exactly.
+    """
+    if not torch.compiler.is_exporting() and tuple(old_grid) == tuple(new_grid):
         return pos_embed
     return resample_abs_pos_embed(
         pos_embed, new_size=list(new_grid), old_size=list(old_grid), num_prefix_tokens=num_prefix_tokens

@@ -3,7 +3,6 @@
 from .errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
 from .io import build_model, count_parameters, export_safetensors, load_model, read_model_config, read_state_dict
 from .losses import jasmin_penalty, softmax_jacobian_estimate, topk_correct
-from .module import ClassificationModule
 
 __all__ = [
     "CheckpointError", "ConfigError", "NonFiniteError", "RunFolderError", "TrainError", "ClassificationModule",
@@ -14,6 +13,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    # Lightning and Hydra load with what needs them: checkpoints and exports (``io``) are read without them
+    if name == "ClassificationModule":
+        from .module import ClassificationModule
+
+        return ClassificationModule
     if name == "compose":
         from .config import compose
 

@@ -9,20 +9,13 @@ from typing import Any
 
 import yaml
 
-from ssogvit.errors import report_errors
+from ssogvit.errors import ArgumentParser, report_errors
 from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, Int, check_device, check_memory, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
 
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "run_config_command"]
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def train_main(argv: list[str]) -> int:

@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     from ssogvit.errors import report_errors
     from ssogvit.inputs import SEED, Int, Ints
 
-    from .cli import ArgumentParser
+    from ssogvit.errors import ArgumentParser
 
     at_least_one = Int(low=1).argparse
     parser = ArgumentParser(

@@ -1,0 +1,374 @@
+"""The sweeps as points and tables (docs/benchmarks.md): a mixer alone (a registered name or ``"torch-mha"``, options
+after a colon: ``"ssog:impl=einsum"``) against attention at each resolution's token count, and whole models
+``"{family}-{size}-{mixer}"``, each compared with its family's baselines (the paper's first); power-law fits; tables
+and figures of the rows."""
+
+from __future__ import annotations
+
+import ast
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ssogvit.outputs import atomic_write
+from ssogvit.results import markdown_table, pyplot
+
+__all__ = [
+    "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "cell", "compare", "default_mixers",
+    "expand_impls", "fit_power_law", "format_fits", "format_model_table", "format_operator_table",
+    "format_saved_table", "model_points", "model_table", "operator_fits", "operator_points", "operator_table",
+    "parse_mixer", "parse_value", "plot_models", "plot_operator", "plot_relative", "times",
+]
+
+#: the baseline the paper benchmarks each family against, where it is not the fused ``mha``
+PAPER_BASELINES = {"ode": "mha-unfused"}
+#: how tables and plots name each baseline mixer
+BASELINE_NAMES = {"mha": "mha (fused SDPA)", "mha-unfused": "mha-unfused (explicit attention, as the paper's ODE-ViT)"}
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """``y = coef * n ** exponent``, fitted by least squares on ``log y = log coef + exponent * log n``."""
+
+    exponent: float
+    coef: float
+    r2: float
+    points: int
+
+    def __call__(self, n: float) -> float:
+        return self.coef * n**self.exponent
+
+
+def fit_power_law(n: Sequence[float], y: Sequence[float]) -> PowerLaw:
+    """Fit ``y ~ coef * n^exponent`` to the positive pairs (missing or non-positive ``y`` are dropped).
+
+    Raises:
+        ValueError: fewer than two usable points, or all ``n`` equal.
+    """
+    pairs = [(math.log(a), math.log(b)) for a, b in zip(n, y, strict=True) if a and b and a > 0 and b > 0]
+    if len(pairs) < 2:
+        raise ValueError(f"a power-law fit needs at least two positive points, got {len(pairs)}")
+    xs, ys = zip(*pairs)
+    if len(set(xs)) < 2:
+        raise ValueError("a power-law fit needs at least two distinct n")
+    k, c = statistics.linear_regression(xs, ys)
+    r2 = statistics.correlation(xs, ys) ** 2 if len(set(ys)) > 1 else 1.0
+    return PowerLaw(exponent=k, coef=math.exp(c), r2=r2, points=len(pairs))
+
+
+def parse_value(text: str) -> Any:
+    """A Python literal (``8``, ``0.5``, ``(1, 2)``, ``True``), else the text itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_mixer(text: str) -> tuple[str, dict[str, Any], str]:
+    """``"ssog:impl=einsum,num_atoms=8"`` -> ``("ssog", {"impl": "einsum", "num_atoms": 8}, label)``."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"mixer option {item!r} in {text!r} is not key=value")
+        options[key.strip()] = parse_value(value.strip())
+    return name, options, name + ("[" + ",".join(f"{k}={v}" for k, v in options.items()) + "]" if options else "")
+
+
+def expand_impls(mixers: Iterable[str], impls: Sequence[str] | None, device: str = "cpu") -> list[str]:
+    """Each SSoG mixer without an ``impl`` option once per name in ``impls`` (``["all"]``: every one that runs on
+    ``device``; the Triton kernel needs CUDA)."""
+    if not impls:
+        return list(mixers)
+    if list(impls) == ["all"]:
+        from ssogvit.layers import SSOG_IMPLS
+
+        impls = [i for i in SSOG_IMPLS if device == "cuda" or i != "triton"]
+    out = []
+    for m in mixers:
+        name, options, _ = parse_mixer(m)
+        expand = name.startswith("ssog") and "impl" not in options
+        out += [f"{m}{',' if ':' in m else ':'}impl={i}" for i in impls] if expand else [m]
+    return out
+
+
+def operator_points(mixers: Sequence[str], *, dim: int, heads: int, resolutions: Sequence[int],
+                    batches: Sequence[int], patch: int = 16, prefix: int = 1, **common: Any) -> list[dict[str, Any]]:
+    """Points for ``run_sweep``: every mixer at every resolution and batch (square images, ``res // patch`` grid)."""
+    points = []
+    for res in resolutions:
+        g = res // patch
+        for batch in batches:
+            for m in mixers:
+                name, options, label = parse_mixer(m)
+                points.append(dict(kind="operator", label=label, mixer=name, mixer_options=options, dim=dim,
+                                   heads=heads, res=res, grid=[g, g], prefix=prefix, tokens=prefix + g * g,
+                                   batch=batch, **common))
+    return points
+
+
+def default_mixers(family: str) -> list[str]:
+    """The mixers ``ssogvit bench models`` measures for ``family`` without ``--mixers``."""
+    return [PAPER_BASELINES[family], "mha", "ssog"] if family in PAPER_BASELINES else ["mha", "ssog"]
+
+
+def baselines_of(family: str, mixers: Sequence[str], baseline: str = "mha") -> list[str]:
+    """The baselines among ``mixers`` that ``family``'s other mixers are compared with, the paper's first."""
+    order = [PAPER_BASELINES.get(family), baseline]
+    return [b for i, b in enumerate(order) if b is not None and b in mixers and b not in order[:i]]
+
+
+def model_points(families: Sequence[str], sizes: Sequence[str], mixers: Sequence[str] | None, *,
+                 resolutions: Sequence[int], batches: Sequence[int], model_kwargs: dict[str, Any] | None = None,
+                 **common: Any) -> list[dict[str, Any]]:
+    """Points for ``run_sweep``, each configuration's batches smallest first; ``mixers=None``: each family's
+    ``default_mixers``."""
+    return [dict(kind="model", label=f"{family}-{size}-{mixer}", model=f"{family}-{size}-{mixer}", family=family,
+                 size=size, mixer=mixer, model_kwargs=dict(model_kwargs or {}), res=res, batch=batch, **common)
+            for family in families for size in sizes
+            for mixer in (mixers if mixers is not None else default_mixers(family))
+            for res in resolutions for batch in sorted(batches)]
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok"
+
+
+def compare(r: dict, b: dict | None, speed: str) -> dict[str, float]:
+    """``r``'s ``speedup`` over its baseline ``b`` (by ``speed``: ``"time_ms"`` or ``"images_per_s"``),
+    ``memory_ratio`` (peak over the baseline's), ``flop_bound`` (the baseline's FLOPs over these: the speed-up
+    perfect implementations of both would show) and ``of_bound`` (the fraction of it reached)."""
+    out: dict[str, float] = {}
+    if b is None or not _ok(r):
+        return out
+    if b.get(speed) and r.get(speed):
+        out["speedup"] = b[speed] / r[speed] if speed == "time_ms" else r[speed] / b[speed]
+    if b.get("peak_mib") and r.get("peak_mib") is not None:
+        out["memory_ratio"] = r["peak_mib"] / b["peak_mib"]
+    if b.get("gflops_per_image") and r.get("gflops_per_image"):
+        out["flop_bound"] = b["gflops_per_image"] / r["gflops_per_image"]
+        if "speedup" in out:
+            out["of_bound"] = out["speedup"] / out["flop_bound"]
+    return out
+
+
+def operator_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
+    """Rows with their ratios (``compare``) to the baseline mixer at the same resolution and batch."""
+    base = {(r["res"], r["batch"]): r for r in rows if r.get("label") == baseline and _ok(r)}
+    return [r | compare(r, base.get((r["res"], r["batch"])), "time_ms") for r in rows]
+
+
+def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[str, int], PowerLaw]:
+    """``metric ~ tokens^k`` for each (mixer label, batch) series with at least two successful points."""
+    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in (r for r in rows if _ok(r) and r.get(metric)):
+        series.setdefault((r["label"], r["batch"]), []).append((r["tokens"], r[metric]))
+    fits = {}
+    for key, pts in series.items():
+        try:
+            fits[key] = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
+        except ValueError:
+            continue
+    return fits
+
+
+def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
+    """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, resolution and batch
+    (``compare`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
+    in turn, a group's rows appearing once per baseline."""
+    out = []
+    for family, size in dict.fromkeys((r["family"], r["size"]) for r in rows):
+        group = [r for r in rows if (r["family"], r["size"]) == (family, size)]
+        bases = baselines_of(family, [r.get("mixer") for r in group], baseline) or [None]
+        for name in bases:
+            base = {(r["res"], r["batch"]): r for r in group if r.get("mixer") == name and _ok(r)}
+            for r in (r for r in group if r.get("mixer") == name or r.get("mixer") not in bases):
+                ratios = {} if r.get("mixer") == name else compare(r, base.get((r["res"], r["batch"])),
+                                                                     "images_per_s")
+                if "memory_ratio" in ratios:
+                    ratios["memory_saved"] = 1.0 - ratios["memory_ratio"]
+                out.append(r | ratios | {"baseline": name})
+    return out
+
+
+def cell(v: Any, fmt: str = ".2f") -> str:
+    """A number as a table cell, ``-`` for none."""
+    return format(v, fmt) if isinstance(v, int | float) else "-"
+
+
+def times(v: Any) -> str:
+    """A ratio as a table cell (``2.50x``)."""
+    return f"{v:.2f}x" if isinstance(v, int | float) else "-"
+
+
+def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_peak: float | None = None) -> str:
+    """Markdown: per resolution, batch and mixer, time, memory and the ratios against ``baseline`` (with
+    ``matmul_peak`` in GFLOP/s, also each mixer's rate as a fraction of it)."""
+    head = ["res", "tokens", "batch", "mixer", "ms / call", "peak MiB", "GFLOP/s", f"speed-up vs {baseline}",
+            "FLOP bound", "of bound", f"memory / {baseline}"] + (["of matmul peak"] if matmul_peak else [])
+    lines = []
+    for r in operator_table(rows, baseline):
+        cells = [r["res"], r["tokens"], r["batch"], r["label"]]
+        if not _ok(r):
+            lines.append(cells + [r.get("status")] + ["-"] * (len(head) - 5))
+            continue
+        rate = r.get("achieved_gflops_per_s")
+        lines.append(cells + [cell(r.get("time_ms"), ".2f"), cell(r.get("peak_mib"), ".1f"), cell(rate, ".1f"),
+                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("of_bound"), ".0%"),
+                              times(r.get("memory_ratio"))]
+                     + ([cell((rate or 0) / matmul_peak, ".0%")] if matmul_peak else []))
+    return markdown_table(head, lines)
+
+
+def format_fits(rows: Sequence[dict]) -> str:
+    """Markdown: the fitted exponents of memory and time against tokens, per mixer and batch."""
+    mem, time = operator_fits(rows, "peak_mib"), operator_fits(rows, "time_ms")
+    lines = []
+    for key in sorted(set(mem) | set(time), key=lambda k: (k[1], k[0])):
+        m, t = mem.get(key), time.get(key)
+        lines.append([key[0], key[1], cell(m and m.exponent, ".3f"), cell(m and m.r2, ".4f"),
+                      cell(t and t.exponent, ".3f"), cell(t and t.r2, ".4f"), (m or t).points])
+    return markdown_table(["mixer", "batch", "memory ~ N^k: k", "R^2", "time ~ N^k: k", "R^2", "points"], lines)
+
+
+def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
+    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table)."""
+    lines = []
+    for r in model_table(rows, baseline):
+        b = r["baseline"]
+        cells = [r["label"], "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b),
+                 r["res"], r["batch"]]
+        if not _ok(r):
+            lines.append(cells + [r.get("status")] + ["-"] * 6)
+            continue
+        lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
+                              cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
+                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
+    return markdown_table(["model", "compared with", "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
+                   "speed-up", "FLOP bound", "memory saved"], lines)
+
+
+def format_saved_table(rows: Sequence[dict]) -> str:
+    """Where a training step's bytes go (``--mode train``): per point, the step's peak beside what its forward saves
+    for backward and the gradients (the larger is a lower bound of the peak, ``memory.saved_for_backward``), then
+    what each module saves. Empty when no row has the breakdown."""
+    rows = [r for r in rows if _ok(r) and r.get("saved_by_module")]
+    if not rows:
+        return ""
+    steps = []
+    for r in rows:
+        bound = max(r["saved_mib"], r.get("grads_mib") or 0.0)
+        ratio = r["peak_mib"] / bound if r.get("peak_mib") and bound else None
+        steps.append([r["label"], r["res"], r["batch"], cell(r.get("peak_mib"), ".1f"), cell(r.get("saved_mib"), ".1f"),
+                      cell(r.get("grads_mib"), ".1f"), times(ratio), cell(r.get("state_mib"), ".1f")])
+    modules = [[r["label"], r["res"], r["batch"], module, f"{mib / calls:.2f}", calls, f"{mib:.1f}",
+                f"{mib / r['saved_mib']:.0%}"] for r in rows for module, (mib, calls) in r["saved_by_module"].items()]
+    return (markdown_table(["model", "res", "batch", "step peak MiB", "saved for backward MiB", "gradients MiB",
+                            "peak / lower bound", "parameters + optimizer MiB"], steps) + "\n"
+            + markdown_table(["model", "res", "batch", "module", "MiB per application", "applications", "MiB",
+                              "share"], modules))
+
+
+# -- figures (PNG, in the paper's form; None: nothing to draw) -----------------------------------------------------
+
+_STYLES = ["-", "--", ":", "-."]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def _style(i: int, j: int = 0) -> dict:
+    return dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
+
+
+def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:  # a time-only run (--no-memory) draws no memory lines
+            ax.legend(fontsize=fontsize)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110), overwrite=True)
+    pyplot().close(fig)
+    return Path(path)
+
+
+def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha") -> Path | None:
+    """Throughput relative to the baseline and memory saved (%) against resolution: one line per family, mixer and
+    baseline (``model_table``: the ODE family's paper baseline first), line style per batch size."""
+    table = [r for r in model_table(rows, baseline) if r.get("mixer") != r["baseline"] and "speedup" in r]
+    if not table:
+        return None
+    fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
+    batches = sorted({r["batch"] for r in table})
+    for i, key in enumerate(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"]) for r in table)):
+        for j, b in enumerate(batches):
+            pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
+                         if (r["family"], r["size"], r["mixer"], r["baseline"]) == key and r["batch"] == b)
+            if pts:
+                label = f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", batch {b}" if len(batches) > 1 else "")
+                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **_style(i, j))
+                mem = [(p[0], 100 * p[2]) for p in pts if p[2] is not None]
+                if mem:
+                    ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=label, **_style(i, j))
+    ax_t.axhline(1.0, color="grey", lw=0.8)
+    ax_m.axhline(0.0, color="grey", lw=0.8)
+    ax_t.set(xlabel="resolution (px)", ylabel="throughput / baseline throughput", title="Relative throughput")
+    ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title="Peak memory saved against the baseline")
+    return _finish(fig, (ax_t, ax_m), path, 8)
+
+
+def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
+    """Throughput (top) and peak memory (bottom) against resolution, one column per family, one line per mixer and
+    batch size."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return None
+    families = sorted({(r["family"], r["size"]) for r in ok})
+    fig, axes = pyplot().subplots(2, len(families), figsize=(4.6 * len(families), 7), squeeze=False)
+    mixers, batches = sorted({r["mixer"] for r in ok}), sorted({r["batch"] for r in ok})
+    for c, fam in enumerate(families):
+        for i, mixer in enumerate(mixers):
+            for j, b in enumerate(batches):
+                pts = sorted((r["res"], r.get("images_per_s"), r.get("peak_mib")) for r in ok
+                             if (r["family"], r["size"]) == fam and r["mixer"] == mixer and r["batch"] == b)
+                for ax, k in ((axes[0][c], 1), (axes[1][c], 2)):
+                    drawn = [p for p in pts if p[k] is not None]
+                    if drawn:
+                        ax.plot([p[0] for p in drawn], [p[k] for p in drawn],
+                                label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}", **_style(i, j))
+        axes[0][c].set(title=f"{fam[0]}-{fam[1]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
+                       yscale="log")
+        axes[1][c].set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")
+    return _finish(fig, [ax for col in axes for ax in col], path, 7)
+
+
+def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
+    """Operator peak memory (left) and time (right) against tokens, log-log, with the fitted ``N^k`` lines and their
+    exponents in the legend."""
+    from matplotlib.ticker import NullFormatter
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return None
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.4))
+    ticks = sorted({r["tokens"] for r in ok})
+    for ax, metric, ylabel, title in (
+        (axes[0], "peak_mib", "peak memory (MiB)", "Operator peak memory, fit memory ~ N^k"),
+        (axes[1], "time_ms", "time (ms)", "Operator time, fit time ~ N^k"),
+    ):
+        fits = operator_fits(ok, metric)
+        for i, key in enumerate(sorted({(r["label"], r["batch"]) for r in ok}, key=lambda k: (k[1], k[0]))):
+            pts = sorted((r["tokens"], r[metric]) for r in ok if (r["label"], r["batch"]) == key and r.get(metric))
+            if pts:
+                fit = fits.get(key)
+                label = f"{key[0]} (batch {key[1]})" + (f": k = {fit.exponent:.2f}" if fit else "")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], _MARKERS[i % len(_MARKERS)], color=f"C{i}",
+                        label=label)
+                if fit:
+                    ax.plot([pts[0][0], pts[-1][0]], [fit(pts[0][0]), fit(pts[-1][0])], "-", color=f"C{i}", lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="tokens N (class token included)", ylabel=ylabel, title=title)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    return _finish(fig, axes, path, 8)
