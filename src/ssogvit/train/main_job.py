@@ -175,13 +175,12 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     from ssogvit.inputs import Choice, InputError
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    try:
-        if not names:
-            raise InputError("empty")
-        return list(dict.fromkeys(Choice(tuple(allowed)).check(n, f"--{what}") for n in names))
-    except InputError:
-        raise InputError(f"--{what} {text!r}: expected a comma-separated list from {', '.join(allowed)}",
-                         argument=f"--{what}") from None
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        problem = f"unknown {what.rstrip('s')} {unknown[0]!r}" if unknown else "no name given"
+        raise InputError(f"--{what} {text!r}: {problem}; expected a comma-separated list from {', '.join(allowed)}",
+                         argument=f"--{what}")
+    return list(dict.fromkeys(Choice(tuple(allowed)).check(n, f"--{what}") for n in names))
 
 
 def main(argv: list[str]) -> int:
