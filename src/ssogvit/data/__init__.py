@@ -1,4 +1,5 @@
-"""Datamodules: `digits` (embedded default), `cifar100`, `imagefolder` (ImageNet-style), `synthetic`.
+"""Datamodules: `digits` (embedded default), `cifar100`, `imagefolder` (ImageNet-style), `synthetic`; for
+segmentation `digit_scenes` (embedded) and `segfolder` (images and label PNGs).
 
 `create_datamodule(name, **options)` builds one from a data config (the `data:` node of a run config, minus the
 keys that only describe it: `name`, `num_classes` for fixed datasets, ...).
@@ -12,7 +13,10 @@ from typing import Any
 
 from ._common import AUG_DEFAULTS, ClassificationDataModule, DataConfigError, DataError, build_transform
 from .cifar100 import Cifar100DataModule, find_cifar100, read_cifar100_split
+from ._segmentation import IGNORE_INDEX, SegmentationDataModule, build_joint_transform
+from .digit_scenes import DigitScenesDataModule, render_scene
 from .digits import DigitsDataModule, load_digits_split
+from .segfolder import SegFolderDataModule
 from .imagefolder import ImageFolderDataModule
 from .synthetic import SyntheticDataModule, SyntheticDataset
 
@@ -21,6 +25,8 @@ __all__ = [
     "build_transform", "create_datamodule", "list_datasets",
     "DigitsDataModule", "Cifar100DataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticDataset",
     "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES",
+    "IGNORE_INDEX", "SegmentationDataModule", "DigitScenesDataModule", "SegFolderDataModule", "build_joint_transform",
+    "render_scene",
 ]
 
 DATAMODULES: dict[str, type[ClassificationDataModule]] = {
@@ -28,6 +34,8 @@ DATAMODULES: dict[str, type[ClassificationDataModule]] = {
     "cifar100": Cifar100DataModule,
     "imagefolder": ImageFolderDataModule,
     "synthetic": SyntheticDataModule,
+    "digit_scenes": DigitScenesDataModule,
+    "segfolder": SegFolderDataModule,
 }
 
 # Keys of a data config that describe the dataset rather than configure its module (checked, not passed).
@@ -50,7 +58,7 @@ def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
     options = {k: v for k, v in options.items() if v is not None}
     fixed = {k: options.pop(k) for k in list(options) if k in _DESCRIPTIVE}
     fixed.pop("name", None)
-    if cls in (DigitsDataModule, Cifar100DataModule):
+    if cls in (DigitsDataModule, Cifar100DataModule, DigitScenesDataModule):
         for key, value in fixed.items():
             if int(value) != int(getattr(cls, key)):
                 raise DataConfigError(f"{name} has {key}={getattr(cls, key)}, the config says {value}")

@@ -37,14 +37,20 @@ from ssogvit.inputs import (
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SIZES, VisionTransformerBase
+from .dense import PyramidFeatures, SegmentationModel
 from .looped import LoopedViT
 from .ode import ODEViT
 from .vit import VisionTransformer
 
 __all__ = [
-    "FAMILIES", "SIZES", "check_model_config", "create_model", "from_pretrained", "list_models", "model_options",
-    "parse_model_name", "timm_name",
+    "FAMILIES", "SIZES", "TASKS", "check_model_config", "create_model", "create_segmentation_model", "from_pretrained",
+    "list_models", "model_options", "parse_model_name", "timm_name",
 ]
+
+#: what a model predicts: ``None`` (an image classifier) or ``"segmentation"`` (per-pixel classes, docs/dense.md)
+TASKS = (None, "segmentation")
+#: options of a segmentation model beyond its backbone's (``SegmentationModel``)
+SEGMENTATION_OPTIONS = ("pyramid_dim", "head_dim", "feature_blocks")
 
 #: family name -> model class
 FAMILIES: dict[str, type[VisionTransformerBase]] = {"vit": VisionTransformer, "looped": LoopedViT, "ode": ODEViT}
@@ -75,7 +81,7 @@ def model_options(family: str) -> list[str]:
     return [*shared, *cls.family_options]
 
 
-def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
+def create_model(name: str, *, task: str | None = None, **kwargs: Any) -> nn.Module:
     """Build a model by name.
 
     Args:
@@ -87,13 +93,19 @@ def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
             ``in_chans``, ``mlp_ratio``, ``embed_dim`` and ``num_heads`` to override the size, and for ``ode``:
             ``solver``, ``scale``, ``norm``, ``rtol``, ``atol``, ``adjoint``); every other keyword is a mixer option
             (``num_atoms``, ``steer``, ``radius``, ...).
+        task: ``None``, an image classifier; ``"segmentation"``, the backbone ``name`` with a feature pyramid and a
+            segmentation head (``create_segmentation_model``).
 
     Returns:
         The model; ``create_model(**model.config)`` rebuilds it.
 
     Raises:
-        ValueError: unknown name, or an option neither the family nor the mixer takes.
+        ValueError: unknown name or task, or an option neither the family nor the mixer takes.
     """
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; expected one of {[t for t in TASKS if t]} or none")
+        return create_segmentation_model(name, **kwargs)
     family, size, mixer = parse_model_name(name)
     embed_dim, num_heads, depth = SIZES[size]
     own = model_options(family)
@@ -113,6 +125,31 @@ def create_model(name: str, **kwargs: Any) -> VisionTransformerBase:
                 f"options of mixer {mixer!r}: {valid_mixer}"
             )
     return FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
+
+
+def create_segmentation_model(backbone_name: str, *, num_classes: int, pyramid_dim: int = 256, head_dim: int = 128,
+                              feature_blocks: list[int] | None = None, **backbone_options: Any) -> SegmentationModel:
+    """A semantic segmentation model on the backbone ``backbone_name`` (any family, any registered mixer).
+
+    Args:
+        backbone_name: ``"{family}-{size}-{mixer}"`` (``create_model``).
+        num_classes: classes of the per-pixel labels.
+        pyramid_dim: width of the simple feature pyramid's levels (strides ``p/4 .. 2p``).
+        head_dim: width of the semantic-FPN head.
+        feature_blocks: ``None``, every pyramid level from the last block (ViTDet); or 4 block indices, finest
+            level first, one map per level.
+        **backbone_options: ``create_model`` options of the backbone (``img_size``, ``patch_size``, ``depth``, mixer
+            options, ...); its ``num_classes`` is 0 (no classifier head).
+
+    Returns:
+        The model, logits ``(B, num_classes, H, W)`` at the input's resolution; ``create_model(**model.config)``
+        rebuilds it (``config`` holds ``task="segmentation"``).
+    """
+    backbone = create_model(backbone_name, **{**backbone_options, "num_classes": 0})
+    options = dict(num_classes=num_classes, pyramid_dim=pyramid_dim, head_dim=head_dim,
+                   feature_blocks=None if feature_blocks is None else list(feature_blocks))
+    config = {"name": backbone_name, "task": "segmentation", **backbone_options, **options}
+    return SegmentationModel(backbone, **options, config=config)
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -258,12 +295,34 @@ default_cfgs = generate_default_cfgs({
 })
 
 
+def _pyramid_entrypoint(name: str):
+    """timm entry point ``ssogvit_<family>_<size>_<mixer>_pyramid``: the backbone and its simple feature pyramid as a
+    ``features_only`` model (``PyramidFeatures``), what segmentation_models_pytorch's ``tu-`` encoders build."""
+    tname = timm_name(name) + "_pyramid"
+
+    def entrypoint(pretrained: bool = False, *, features_only: bool = True, out_indices: Any = None,
+                   pyramid_dim: int = 256, feature_blocks: list[int] | None = None, **kwargs: Any) -> nn.Module:
+        if pretrained:
+            raise ValueError(f"{tname}: ssogvit has no pretrained weights to download (encoder_weights=None)")
+        if not features_only:
+            raise ValueError(f"{tname} is a feature pyramid: build it with features_only=True")
+        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+            kwargs.pop(key, None)
+        backbone = create_model(name, **{**kwargs, "num_classes": 0})
+        levels = tuple(range(4)) if out_indices is None else tuple(out_indices)
+        return PyramidFeatures(backbone, pyramid_dim=pyramid_dim, feature_blocks=feature_blocks, out_indices=levels)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = tname
+    entrypoint.__doc__ = f"``{name}`` with ViTDet's simple feature pyramid, strides p/4 to 2p (features only)."
+    return entrypoint
+
+
 def _register_with_timm() -> None:
     module = sys.modules[__name__]
     for name in list_models():
-        fn = _timm_entrypoint(name)
-        setattr(module, fn.__name__, fn)  # timm lists the entry point in this module's __all__
-        register_model(fn)
+        for fn in (_timm_entrypoint(name), _pyramid_entrypoint(name)):
+            setattr(module, fn.__name__, fn)  # timm lists the entry point in this module's __all__
+            register_model(fn)
 
 
 _register_with_timm()

@@ -194,21 +194,34 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         model.rescale_field(size // patch / trained_grid[0], size // patch / trained_grid[1])
     from ssogvit.data import create_datamodule
 
+    data_name = data.pop("name")
     try:
-        dm = create_datamodule(data.pop("name"), **data)
+        dm = create_datamodule(data_name, **data)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"the evaluation data cannot be set up: {str(err).splitlines()[0]}") from None
     check_memory(model.forward_bytes(dm.eval_batch_size, size), f"a forward of {dm.eval_batch_size} images of "
                  f"{size} px", "--img-size" if args.img_size else "data.img_size")
+    task = getattr(model, "task", "classification")
+    if getattr(dm, "task", "classification") != task:
+        raise ConfigError(f"{args.ckpt} holds a {task} model but data={data_name} is a "
+                          f"{getattr(dm, 'task', 'classification')} dataset")
     try:
-        result = evaluate(model, dm, device=args.device, progress=args.progress)
+        if task == "segmentation":
+            from .segmentation import evaluate_segmentation
+
+            result = evaluate_segmentation(model, dm, device=args.device, progress=args.progress)
+        else:
+            result = evaluate(model, dm, device=args.device, progress=args.progress)
     except (ValueError, RuntimeError) as err:  # the model refuses this input (grid, channels)
         raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
                   patch_size=_side(patch), rescale_field=bool(args.rescale_field))
-    print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: "
-          f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%  "
+    if task == "segmentation":
+        scores = f"mIoU {result['miou']:.2f}%  pixel accuracy {result['pixel_acc']:.2f}%"
+    else:
+        scores = f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%"
+    print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: {scores}  "
           f"loss {result['loss']:.4f}  ({result['images']} images)")
     if args.json:
         write_json(args.json, result, overwrite=args.overwrite)

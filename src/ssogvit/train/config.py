@@ -208,8 +208,8 @@ RUN_CONFIG_RULES: dict[str, Spec] = {
     "ckpt.every_n_train_steps": Int(1, none=True),
     "ckpt.keep": Int(0),
     # best.ckpt keeps the highest value, so only accuracies can be monitored
-    "ckpt.monitor": Choice(("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3",
-                                    "val_ema/top5")),
+    "ckpt.monitor": Choice(("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3", "val_ema/top5",
+                            "val/miou", "val/pixel_acc", "val_ema/miou", "val_ema/pixel_acc")),
     "export.safetensors": Flag(),
     "transfer.mode": Choice(("finetune", "linear")),
     "transfer.use_ema": Flag(),

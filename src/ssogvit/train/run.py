@@ -33,6 +33,7 @@ from ssogvit.outputs import OutputError, RunFolder, check_output_folder
 from .errors import ConfigError
 from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
 from .module import ClassificationModule
+from .segmentation import SegmentationModule
 from .resume import EpochEndCheckpoint, check_resumable, save_resumable
 from .run_folder import prune_logs
 
@@ -155,8 +156,11 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
     recipe = {k: recipe[k] for k in ("optim", "sched", "loss", "mixup", "ema")}
     recipe["batch_size"] = int(cfg.data.batch_size)
     transfer = OmegaConf.to_container(cfg.transfer, resolve=True) if cfg.transfer.ckpt else None
+    task = _check_task(cfg, dm, model_config)
+    if task == "segmentation":
+        recipe["ignore_index"] = int(dm.ignore_index)
     try:
-        module = ClassificationModule(model_config, recipe, transfer)
+        module = (SegmentationModule if task == "segmentation" else ClassificationModule)(model_config, recipe, transfer)
     except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
         raise refuse("the model cannot be built from this config", err) from None
     try:  # after the model, as Lightning does it: a dataset drawing random numbers leaves the initial weights alone
@@ -178,6 +182,22 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
     except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
         raise refuse("the trainer cannot be set up from this config", err) from None
     return trainer, dm, model_config, module
+
+
+def _check_task(cfg: DictConfig, dm, model_config: dict[str, Any]) -> str:
+    """The run's task (`classification` or `segmentation`), the same for the data and the model, and monitored by a
+    metric of that task (`ckpt.monitor`); a `ConfigError` says what does not fit."""
+    data_task = getattr(dm, "task", "classification")
+    model_task = model_config.get("task") or "classification"
+    if data_task != model_task:
+        raise ConfigError(f"data={cfg.data.name} is a {data_task} dataset but the model is a {model_task} model: set "
+                          f"model.kwargs.task={'segmentation' if data_task == 'segmentation' else 'null'}")
+    metric = str(cfg.ckpt.monitor).split("/")[-1]
+    seg_metric = metric in ("miou", "pixel_acc")
+    if seg_metric != (data_task == "segmentation"):
+        raise ConfigError(f"ckpt.monitor={cfg.ckpt.monitor} is not a metric of {data_task}: use "
+                          f"{'val/miou' if data_task == 'segmentation' else 'val/top1'}")
+    return data_task
 
 
 def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = True) -> dict[str, Any]:
@@ -302,6 +322,7 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
         "steps": int(trainer.global_step),
         "metrics": metrics,
         "best": float(best_cb.best_model_score) if best_cb.best_model_score is not None else math.nan,
+        "monitor": str(cfg.ckpt.monitor),
         "time_s": time.perf_counter() - start,
         "output_dir": str(output_dir),
         "checkpoints": str(output_dir / "checkpoints"),
@@ -336,11 +357,20 @@ def format_summary(s: dict[str, Any]) -> str:
         "",
         f"== run {s['name']} ({s['model']}, {s['parameters'] / 1e6:.3f}M parameters) ==",
         f"epochs {s['epochs']}, steps {s['steps']}, time {s['time_s']:.1f} s",
-        f"val   top-1 {pct('val/top1')}  top-3 {pct('val/top3')}  top-5 {pct('val/top5')}  "
-        f"loss {m.get('val/loss', math.nan):.4f}  (best top-1 {s['best']:.2f}%)",
-        f"train top-1 {pct('train/top1_epoch') if 'train/top1_epoch' in m else pct('train/top1')}  "
-        f"loss {m.get('train/loss_epoch', math.nan):.4f}",
     ]
+    if "val/miou" in m:  # a segmentation run
+        lines += [
+            f"val   mIoU {pct('val/miou')}  pixel accuracy {pct('val/pixel_acc')}  "
+            f"loss {m.get('val/loss', math.nan):.4f}  (best {s.get('monitor', 'val/miou')} {s['best']:.2f}%)",
+            f"train mIoU {pct('train/miou')}  loss {m.get('train/loss_epoch', math.nan):.4f}",
+        ]
+    else:
+        lines += [
+            f"val   top-1 {pct('val/top1')}  top-3 {pct('val/top3')}  top-5 {pct('val/top5')}  "
+            f"loss {m.get('val/loss', math.nan):.4f}  (best top-1 {s['best']:.2f}%)",
+            f"train top-1 {pct('train/top1_epoch') if 'train/top1_epoch' in m else pct('train/top1')}  "
+            f"loss {m.get('train/loss_epoch', math.nan):.4f}",
+        ]
     if "val_ema/top1" in m:
         lines.append(f"EMA   top-1 {pct('val_ema/top1')}")
     lines += [

@@ -1,0 +1,230 @@
+"""Dense prediction on a ViT backbone (docs/dense.md): ViTDet's simple feature pyramid and a semantic-FPN head.
+
+The backbone is any model of ours (any family, any registered mixer): the pyramid reads its patch maps through
+timm's ``forward_intermediates`` (the grid passed to every block), so nothing here knows which mixer it holds.
+
+- ``SimpleFeaturePyramid`` (Li et al., ViTDet): one stride-``p`` map (or one map per level, from intermediate
+  blocks) -> maps at strides ``p/4, p/2, p, 2p`` (4, 8, 16, 32 for patch 16): two 2x2 deconvolutions, one, none, a
+  2x2 max-pool; then a 1x1 and a 3x3 convolution with LayerNorm on each level (torchvision's ``Conv2dNormActivation``,
+  timm's ``LayerNorm2d``).
+- ``PyramidFeatures``: backbone + pyramid, a timm ``features_only`` model (``feature_info`` with reductions
+  ``p/4 .. 2p``); registered in timm as ``ssogvit_<family>_<size>_<mixer>_pyramid``, so segmentation_models_pytorch
+  takes ``tu-ssogvit_vit_tiny_ssog_pyramid`` as a Unet / FPN / UPerNet encoder.
+- ``SemanticFPNHead`` (Kirillov et al., Panoptic FPN's semantic branch, one conv per level): each level to
+  ``head_dim`` channels, upsampled to the finest level and summed, a 1x1 classifier, bilinear upsampling to the input.
+- ``SegmentationModel``: features + head, logits ``(B, num_classes, H, W)`` at the input resolution.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import LayerNorm2d
+from timm.models._features import FeatureInfo
+from torch import Tensor, nn
+from torchvision.ops import Conv2dNormActivation
+
+from ssogvit.inputs import EMBED_DIM, Int, Ints, checked
+
+from ._common import VisionTransformerBase
+
+__all__ = ["PYRAMID_SCALES", "SimpleFeaturePyramid", "PyramidFeatures", "SemanticFPNHead", "SegmentationModel"]
+
+#: upsampling factor of each pyramid level relative to the patch map (ViTDet: strides 4, 8, 16, 32 at patch 16)
+PYRAMID_SCALES: tuple[float, ...] = (4.0, 2.0, 1.0, 0.5)
+NUM_LEVELS = len(PYRAMID_SCALES)
+
+
+def _resample(dim: int, scale: float) -> tuple[nn.Module, int]:
+    """ViTDet's resampling of one level: ``(B, dim, Gh, Gw) -> (B, c, scale*Gh, scale*Gw)`` and its width ``c``."""
+    if scale == 4.0:
+        return nn.Sequential(nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), LayerNorm2d(dim // 2), nn.GELU(),
+                             nn.ConvTranspose2d(dim // 2, dim // 4, 2, stride=2)), dim // 4
+    if scale == 2.0:
+        return nn.ConvTranspose2d(dim, dim // 2, 2, stride=2), dim // 2
+    if scale == 1.0:
+        return nn.Identity(), dim
+    if scale == 0.5:
+        return nn.MaxPool2d(2, ceil_mode=True), dim
+    raise ValueError(f"unsupported pyramid scale {scale}; ViTDet's are {PYRAMID_SCALES}")
+
+
+class SimpleFeaturePyramid(nn.Module):
+    """ViTDet's simple feature pyramid on ViT patch maps.
+
+    Args:
+        in_channels: width ``D`` of the patch maps (at least 4: the stride-``p/4`` level has ``D // 4`` channels
+            before its projection).
+        out_channels: width of every level.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        if in_channels < 4:
+            raise ValueError(f"the pyramid needs a backbone width of at least 4, got {in_channels}")
+        levels = []
+        for scale in PYRAMID_SCALES:
+            resample, width = _resample(in_channels, scale)
+            levels.append(nn.Sequential(
+                resample,
+                Conv2dNormActivation(width, out_channels, 1, norm_layer=LayerNorm2d, activation_layer=None),
+                Conv2dNormActivation(out_channels, out_channels, 3, norm_layer=LayerNorm2d, activation_layer=None),
+            ))
+        self.levels = nn.ModuleList(levels)
+
+    def forward(self, maps: list[Tensor]) -> list[Tensor]:
+        """One map ``(B, D, Gh, Gw)`` for every level, or one per level -> ``NUM_LEVELS`` maps, finest first."""
+        if len(maps) == 1:
+            maps = maps * NUM_LEVELS
+        if len(maps) != NUM_LEVELS:
+            raise ValueError(f"the pyramid takes 1 or {NUM_LEVELS} maps, got {len(maps)}")
+        return [level(m) for level, m in zip(self.levels, maps)]
+
+
+class PyramidFeatures(nn.Module):
+    """A ViT backbone and its simple feature pyramid: images -> maps at reductions ``p/4, p/2, p, 2p``.
+
+    A timm ``features_only`` model: ``feature_info`` (timm's ``FeatureInfo``) gives each level's channels and
+    reduction; ``out_indices`` selects the levels returned.
+
+    Args:
+        backbone: an ssogvit model (its head is not used).
+        pyramid_dim: width of every pyramid level.
+        feature_blocks: ``None``: every level from the last block's map (ViTDet); or one block index per level
+            (finest first), each level from that block's map.
+        out_indices: the levels ``forward`` returns.
+    """
+
+    def __init__(self, backbone: VisionTransformerBase, *, pyramid_dim: int, feature_blocks: list[int] | None = None,
+                 out_indices: tuple[int, ...] = tuple(range(NUM_LEVELS))) -> None:
+        super().__init__()
+        if feature_blocks is not None and max(feature_blocks) >= len(backbone.blocks):
+            raise ValueError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
+                             f"applications (0..{len(backbone.blocks) - 1})")
+        bad = [i for i in out_indices if not 0 <= int(i) < NUM_LEVELS]
+        if bad or not out_indices:
+            raise ValueError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}")
+        self.backbone = backbone
+        self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim)
+        self.feature_blocks = None if feature_blocks is None else [int(i) for i in feature_blocks]
+        self.out_indices = tuple(int(i) for i in out_indices)
+        p = backbone.patch_size
+        info = [dict(num_chs=pyramid_dim, reduction=p / s, module=f"pyramid.levels.{i}")
+                for i, s in enumerate(PYRAMID_SCALES)]
+        for entry in info:  # whole reductions stay ints (timm and smp compare them with 2 ** k)
+            entry["reduction"] = int(entry["reduction"]) if float(entry["reduction"]).is_integer() else entry["reduction"]
+        self.feature_info = FeatureInfo(info, self.out_indices)
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        """Images ``(B, C, H, W)`` (sides divisible by the patch) -> the ``out_indices`` levels, finest first."""
+        indices = 1 if self.feature_blocks is None else self.feature_blocks
+        maps = self.backbone.forward_intermediates(x, indices=indices, norm=True, output_fmt="NCHW",
+                                                   intermediates_only=True)  # [(B, D, Gh, Gw)]
+        levels = self.pyramid(maps)
+        return [levels[i] for i in self.out_indices]
+
+
+class SemanticFPNHead(nn.Module):
+    """Panoptic FPN's semantic head, light: one 3x3 conv (LayerNorm, ReLU) per level, upsampled to the finest level,
+    summed, a 1x1 classifier.
+
+    Args:
+        in_channels: width of the pyramid levels.
+        head_dim: width of the head.
+        num_classes: output classes.
+        num_levels: pyramid levels it reads.
+    """
+
+    def __init__(self, in_channels: int, head_dim: int, num_classes: int, num_levels: int = NUM_LEVELS) -> None:
+        super().__init__()
+        self.lateral = nn.ModuleList(
+            Conv2dNormActivation(in_channels, head_dim, 3, norm_layer=LayerNorm2d, activation_layer=nn.ReLU)
+            for _ in range(num_levels)
+        )
+        self.classifier = nn.Conv2d(head_dim, num_classes, 1)
+
+    def forward(self, levels: list[Tensor], size: tuple[int, int]) -> Tensor:
+        """Levels, finest first -> logits ``(B, num_classes, *size)``."""
+        finest = levels[0].shape[-2:]
+        fused = sum(F.interpolate(lat(m), size=finest, mode="bilinear", align_corners=False) if m.shape[-2:] != finest
+                    else lat(m) for lat, m in zip(self.lateral, levels))
+        return F.interpolate(self.classifier(fused), size=size, mode="bilinear", align_corners=False)
+
+
+class SegmentationModel(nn.Module):
+    """Semantic segmentation on an ssogvit backbone: ``PyramidFeatures`` + ``SemanticFPNHead``.
+
+    Built by ``create_model(name, task="segmentation", ...)`` (``ssogvit.models.create_segmentation_model``), which
+    records ``config`` so ``create_model(**model.config)`` rebuilds it. It answers what evaluation and resolution
+    transfer ask of a model (``patch_size``, ``grid_size``, ``img_size``, ``set_patch_size``, ``rescale_field``,
+    ``mixers``, ``no_weight_decay``, ``forward_bytes``) by asking its backbone.
+
+    Args:
+        backbone: an ssogvit model built with ``num_classes=0``.
+        num_classes: classes of the per-pixel labels.
+        pyramid_dim: width of the pyramid levels.
+        head_dim: width of the head.
+        feature_blocks: see ``PyramidFeatures``.
+        config: the record of how it was built.
+    """
+
+    task = "segmentation"
+
+    @checked
+    def __init__(self, backbone: VisionTransformerBase, *, num_classes: Annotated[int, Int(1, 100_000)],
+                 pyramid_dim: Annotated[int, EMBED_DIM] = 256, head_dim: Annotated[int, EMBED_DIM] = 128,
+                 feature_blocks: Annotated[list[int] | None, Ints(Int(0, 1023), min_len=1, none=True)] = None,
+                 config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if feature_blocks is not None and len(feature_blocks) != NUM_LEVELS:
+            raise ValueError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
+                             f"({NUM_LEVELS}, finest first), or none for the last block's map")
+        self.features = PyramidFeatures(backbone, pyramid_dim=pyramid_dim, feature_blocks=feature_blocks)
+        self.head = SemanticFPNHead(pyramid_dim, head_dim, num_classes)
+        self.num_classes = num_classes
+        self.config = dict(config or {})
+
+    @property
+    def backbone(self) -> VisionTransformerBase:
+        return self.features.backbone
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Images ``(B, C, H, W)`` -> logits ``(B, num_classes, H, W)``."""
+        return self.head(self.features(x), size=tuple(x.shape[-2:]))
+
+    # what evaluation and resolution transfer ask of a model: the backbone's
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _FROM_BACKBONE:
+                return getattr(self.features.backbone, name)
+            raise
+
+    def set_patch_size(self, patch_size: int, rescale_field: bool = False) -> None:
+        """The backbone's ``set_patch_size``; the pyramid's strides follow the patch."""
+        self.backbone.set_patch_size(patch_size, rescale_field=rescale_field)
+        self.config["patch_size"] = patch_size
+
+    def rescale_field(self, factor_y: float, factor_x: float) -> None:
+        """The backbone's ``rescale_field`` (every SSoG field scaled by the grid ratio)."""
+        self.backbone.rescale_field(factor_y, factor_x)
+        if "radius" in self.backbone.config:
+            self.config["radius"] = self.backbone.config["radius"]
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """The backbone's set (under ``features.backbone.``) and every parameter of at most one dimension."""
+        inner = {f"features.backbone.{n}" for n in self.backbone.no_weight_decay()}
+        return inner | {n for n, p in self.named_parameters() if p.ndim <= 1}
+
+    def forward_bytes(self, batch: int, img_size: int | tuple[int, int]) -> int:
+        """A lower bound on the bytes of one inference forward: the backbone's, and the logits at full size."""
+        h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
+        return self.backbone.forward_bytes(batch, img_size) + batch * self.num_classes * h * w * 4
+
+
+_FROM_BACKBONE = ("patch_size", "grid_size", "img_size", "in_chans", "embed_dim", "mixers", "mixer_name", "family",
+                  "depth", "num_prefix_tokens", "blocks")
