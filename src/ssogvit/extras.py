@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "export": ("onnx", "onnxruntime", "onnxscript"),
     "hub": ("huggingface_hub",),
+    "dense": ("segmentation_models_pytorch",),  # smp's decoders on ssogvit's pyramid (docs/dense.md); no command
 }
 EXTRAS["analysis"] = EXTRAS["train"]
 

@@ -2,12 +2,14 @@
 
 from ._common import GLOBAL_POOLS, SIZES, Block, BlockStack, CenterNorm, VisionTransformerBase
 from .looped import Loop, LoopedViT
+from .dense import PyramidFeatures, SegmentationModel, SemanticFPNHead, SimpleFeaturePyramid
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
 from .registry import (
     FAMILIES,
     check_model_config,
     create_model,
+    create_segmentation_model,
     from_pretrained,
     list_models,
     model_options,
@@ -29,12 +31,17 @@ __all__ = [
     "CenterNorm",
     "Flow",
     "Loop",
+    "PyramidFeatures",
+    "SegmentationModel",
+    "SemanticFPNHead",
+    "SimpleFeaturePyramid",
     "LoopedViT",
     "ODEViT",
     "VisionTransformer",
     "VisionTransformerBase",
     "check_model_config",
     "create_model",
+    "create_segmentation_model",
     "from_pretrained",
     "list_models",
     "model_options",

@@ -5,8 +5,8 @@ timm's ``forward_intermediates`` (the grid passed to every block), so nothing he
 
 - ``SimpleFeaturePyramid`` (Li et al., ViTDet): one stride-``p`` map (or one map per level, from intermediate
   blocks) -> maps at strides ``p/4, p/2, p, 2p`` (4, 8, 16, 32 for patch 16): two 2x2 deconvolutions, one, none, a
-  2x2 max-pool; then a 1x1 and a 3x3 convolution with LayerNorm on each level (torchvision's ``Conv2dNormActivation``,
-  timm's ``LayerNorm2d``).
+  2x2 max-pool; then a 1x1 and a 3x3 convolution with LayerNorm on each level (timm's ``ConvNormAct`` and
+  ``LayerNorm2d``: the model needs nothing beyond the core's torch and timm).
 - ``PyramidFeatures``: backbone + pyramid, a timm ``features_only`` model (``feature_info`` with reductions
   ``p/4 .. 2p``); registered in timm as ``ssogvit_<family>_<size>_<mixer>_pyramid``, so segmentation_models_pytorch
   takes ``tu-ssogvit_vit_tiny_ssog_pyramid`` as a Unet / FPN / UPerNet encoder.
@@ -21,10 +21,9 @@ from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
-from timm.layers import LayerNorm2d
+from timm.layers import ConvNormAct, LayerNorm2d
 from timm.models._features import FeatureInfo
 from torch import Tensor, nn
-from torchvision.ops import Conv2dNormActivation
 
 from ssogvit.inputs import EMBED_DIM, Int, Ints, checked
 
@@ -69,8 +68,8 @@ class SimpleFeaturePyramid(nn.Module):
             resample, width = _resample(in_channels, scale)
             levels.append(nn.Sequential(
                 resample,
-                Conv2dNormActivation(width, out_channels, 1, norm_layer=LayerNorm2d, activation_layer=None),
-                Conv2dNormActivation(out_channels, out_channels, 3, norm_layer=LayerNorm2d, activation_layer=None),
+                ConvNormAct(width, out_channels, 1, norm_layer=LayerNorm2d, apply_act=False),
+                ConvNormAct(out_channels, out_channels, 3, norm_layer=LayerNorm2d, apply_act=False),
             ))
         self.levels = nn.ModuleList(levels)
 
@@ -119,10 +118,12 @@ class PyramidFeatures(nn.Module):
 
     def forward(self, x: Tensor) -> list[Tensor]:
         """Images ``(B, C, H, W)`` (sides divisible by the patch) -> the ``out_indices`` levels, finest first."""
-        indices = 1 if self.feature_blocks is None else self.feature_blocks
-        maps = self.backbone.forward_intermediates(x, indices=indices, norm=True, output_fmt="NCHW",
-                                                   intermediates_only=True)  # [(B, D, Gh, Gw)]
-        levels = self.pyramid(maps)
+        blocks = [-1] if self.feature_blocks is None else self.feature_blocks
+        taken = sorted({b % len(self.backbone.blocks) for b in blocks})
+        maps = self.backbone.forward_intermediates(x, indices=taken, norm=True, output_fmt="NCHW",
+                                                   intermediates_only=True)  # [(B, D, Gh, Gw)] for the blocks taken
+        by_block = dict(zip(taken, maps))
+        levels = self.pyramid([by_block[b % len(self.backbone.blocks)] for b in blocks])
         return [levels[i] for i in self.out_indices]
 
 
@@ -140,7 +141,7 @@ class SemanticFPNHead(nn.Module):
     def __init__(self, in_channels: int, head_dim: int, num_classes: int, num_levels: int = NUM_LEVELS) -> None:
         super().__init__()
         self.lateral = nn.ModuleList(
-            Conv2dNormActivation(in_channels, head_dim, 3, norm_layer=LayerNorm2d, activation_layer=nn.ReLU)
+            ConvNormAct(in_channels, head_dim, 3, norm_layer=LayerNorm2d, act_layer=nn.ReLU)
             for _ in range(num_levels)
         )
         self.classifier = nn.Conv2d(head_dim, num_classes, 1)
