@@ -123,3 +123,11 @@ def test_the_comparison_differs_only_in_the_mixer(experiment):
     for section in ("data", "trainer", "optim", "sched", "loss"):
         assert cfg[section] == ref[section], section
     assert {k: v for k, v in cfg.model.kwargs.items()} == {k: v for k, v in ref.model.kwargs.items()}
+
+
+def test_report_tables_the_miou_of_segmentation_runs(trained, tmp_path):
+    assert cli_main(["report", str(trained), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "segmentation.md").read_text()
+    (row,) = logged(trained)
+    assert f"| scenes_vit_ssog | ssog | {float(row['val/miou']):.2f} ± 0.00 |" in text
+    assert (tmp_path / "report" / "curves.png").is_file() and not (tmp_path / "report" / "runs.md").exists()

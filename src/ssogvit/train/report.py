@@ -8,7 +8,10 @@ into `--out`:
 - `table<N>.md` for each paper table that the runs belong to (or only `--table N`): every row of the table with the
   paper's Acc@1 beside our best and final validation top-1, the dataset and the epochs run, and `runs.md` for runs
   that reproduce no paper row;
-- `curves.png`: training and validation loss, and validation top-1, against epoch, every run on the same axes;
+- `curves.png`: training and validation loss, and validation top-1 (mIoU for a segmentation run), against epoch,
+  every run on the same axes;
+- for segmentation runs (docs/dense.md), `segmentation.md`: per experiment the final validation mIoU and pixel
+  accuracy as mean ± sd over the seeds, and every seed's mIoU;
 - for runs of CPU-sized twins of the paper's runs (experiments whose `meta.paper_experiment` names a paper run, the
   `digits8_*` family: docs/reproduction.md), `reproduction.md`: per family and head, each mixer's final validation
   top-1 as mean ± sd over the seeds, our gaps to MHA beside the paper's, and `reproduction_curves.png` (the mean over
@@ -30,7 +33,8 @@ from ssogvit.errors import report_errors
 from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
-__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "gaps_markdown", "plot_curves", "main"]
+__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "gaps_markdown", "segmentation_markdown",
+           "plot_curves", "main"]
 
 
 class ReportError(InputError):
@@ -52,22 +56,23 @@ class RunLog:
     head: str = "token"
     seed: int = 0
     paper_top1: float | None = None  # the Acc@1 of the paper's run this run is a CPU-sized twin of (meta.paper_top1)
+    metric: str = "val/top1"  # what the run is scored by: val/top1, or val/miou for a segmentation run
 
     @property
     def epochs_done(self) -> int:
-        return max(self.series.get("val/top1", {0: 0}))
+        return max(self.series.get(self.metric, {0: 0}))
 
     def best_top1(self) -> tuple[float, int]:
-        top1 = self.series["val/top1"]
+        top1 = self.series[self.metric]
         epoch = max(top1, key=lambda e: (top1[e], -e))  # the first epoch that reached the best value
         return top1[epoch], epoch
 
     def final_top1(self) -> float:
-        top1 = self.series["val/top1"]
+        top1 = self.series[self.metric]
         return top1[max(top1)]
 
 
-CURVES = ("train/loss_epoch", "val/loss", "val/top1")
+CURVES = ("train/loss_epoch", "val/loss", "val/top1", "val/miou", "val/pixel_acc")
 
 
 def read_run(path: str | Path) -> RunLog:
@@ -90,7 +95,8 @@ def read_run(path: str | Path) -> RunLog:
                      mixer=str(model.get("mixer", "")),
                      head=str((model.get("kwargs") or {}).get("global_pool") or "token"),
                      seed=int(cfg.get("seed", 0)),
-                     paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]))
+                     paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]),
+                     metric="val/miou" if (model.get("kwargs") or {}).get("task") == "segmentation" else "val/top1")
         for m in rows:
             int(m["table"]), str(m["row"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -110,8 +116,8 @@ def read_run(path: str | Path) -> RunLog:
         except (ValueError, UnicodeDecodeError, csv.Error) as err:
             raise ReportError(f"{csv_file}: not a metrics log written by Lightning ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
-    if not run.series.get("val/top1"):
-        raise ReportError(f"{path}: its metrics hold no val/top1; no epoch of the run has finished")
+    if not run.series.get(run.metric):
+        raise ReportError(f"{path}: its metrics hold no {run.metric}; no epoch of the run has finished")
     return run
 
 
@@ -165,6 +171,29 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
 
 
+def segmentation_markdown(runs: list[RunLog]) -> str:
+    """Segmentation runs per experiment: the final validation mIoU and pixel accuracy as mean ± sample sd over the
+    seeds, every seed's mIoU, and the gap of each experiment's mean mIoU to the best mean."""
+    import statistics
+
+    groups: dict[str, list[RunLog]] = {}
+    for run in sorted(runs, key=lambda r: (r.name, r.seed)):
+        groups.setdefault(run.name, []).append(run)
+    means = {name: statistics.fmean(r.final_top1() for r in rs) for name, rs in groups.items()}
+    best = max(means.values())
+    lines = ["| experiment | mixer | mIoU | pixel accuracy | mIoU per seed | to the best | epochs |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rs in sorted(groups.items(), key=lambda kv: -means[kv[0]]):
+        miou = [r.final_top1() for r in rs]
+        acc = [r.series["val/pixel_acc"][max(r.series["val/pixel_acc"])] for r in rs if r.series.get("val/pixel_acc")]
+        seeds = ", ".join(f"{v:.2f} (seed {r.seed})" for v, r in zip(miou, rs))
+        lines.append(f"| {name} | {rs[0].mixer} | {_mean_sd(miou)} | {_mean_sd(acc) if acc else 'n/a'} | {seeds} | "
+                     f"{means[name] - best:+.2f} | {rs[0].epochs_done}/{rs[0].max_epochs} |")
+    title = ("Final validation mIoU and pixel accuracy (%), mean ± sample standard deviation over the seeds; "
+             "'to the best': the experiment's mean mIoU minus the best mean.")
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
 def gaps_markdown(runs: list[RunLog]) -> str:
     """Our CPU-sized twins of the paper's runs beside the paper: per family and head, each mixer's final validation
     top-1 as mean ± sample sd over its seeds, and SSoG's gaps to MHA (mean of ours, with every seed's gap when the
@@ -216,12 +245,13 @@ def plot_curves(runs: list[RunLog], path: Path) -> None:
             s = run.series.get(key, {})
             if s:
                 ax_loss.plot(sorted(s), [s[e] for e in sorted(s)], style, color=c, marker="o", ms=3)
-        s = run.series["val/top1"]
+        s = run.series[run.metric]
         ax_top1.plot(sorted(s), [s[e] for e in sorted(s)], "-", color=c, marker="o", ms=3, label=run.name)
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_loss.legend(handles=[Line2D([], [], color="k", ls="-", label="training"),
                             Line2D([], [], color="k", ls="--", label="validation")])
-    ax_top1.set(xlabel="epoch", ylabel="validation top-1 (%)", title="validation top-1")
+    scores = sorted({run.metric.removeprefix("val/") for run in runs})
+    ax_top1.set(xlabel="epoch", ylabel=f"validation {', '.join(scores)} (%)", title=f"validation {', '.join(scores)}")
     ax_top1.legend(fontsize="small")
     for ax in (ax_loss, ax_top1):
         ax.grid(alpha=0.3)
@@ -270,7 +300,10 @@ def _report(args: argparse.Namespace) -> list[Path]:
     out = check_output_folder(args.out, "--out")
     for t in tables:
         outputs[out / f"table{t}.md"] = table_markdown(t, experiment_rows(t), runs)
-    loose = [r for r in runs if not r.rows]
+    dense = [r for r in runs if r.metric == "val/miou"]
+    if dense and args.table is None:
+        outputs[out / "segmentation.md"] = segmentation_markdown(dense)
+    loose = [r for r in runs if not r.rows and r.metric != "val/miou"]
     if loose and args.table is None:
         outputs[out / "runs.md"] = table_markdown(None, [], loose)
     twins = [r for r in runs if r.paper_top1 is not None]
