@@ -35,6 +35,9 @@ NOT_RUN = {
     "ssogvit analyze <what>": "a synopsis (placeholders), not an example",
     "ssogvit bench": "benchmarks: docs/benchmarks.md's commands are run by the benchmark tests (tests/test_bench_*)",
     "ssogvit train -m hydra/launcher=submitit_slurm": "needs a SLURM cluster (its --cfg job form is checked)",
+    "ssogvit eval --ckpt runs/scenes_vit_ssog": "a digit-scenes run: tests/test_dense_train.py evaluates one at "
+                                                 "another size, with and without --rescale-field",
+    "ssogvit report runs/scenes": "the comparison's sweep folders: tests/test_dense_train.py reports a scenes run",
 }
 
 
