@@ -111,6 +111,12 @@ def _model_cases() -> list[Case]:
              "depth=512)"),
         _api("create_model", "unknown", "steer", "create_model('vit-tiny-ssog-steered', **dict(TINY, steer='tau'))"),
     ]
+    seg = "create_model('vit-tiny-ssog', task='segmentation', **dict(TINY, num_classes=3, {}))"  # docs/dense.md
+    for arg, kind, needle in [("pyramid_dim=0", "range", "pyramid_dim"), ("head_dim=1.5", "type", "head_dim"),
+                              ("feature_blocks=[0, 1]", "range", "feature_blocks"),
+                              ("feature_blocks='0,1,2,3'", "type", "feature_blocks")]:
+        cases.append(_api("create_model", kind, needle, seg.format(arg)))
+    cases.append(_api("create_model", "unknown", "detection", "create_model('vit-tiny-ssog', task='detection')"))
     ode = "create_model('ode-tiny-ssog', **dict(TINY, {}))"
     for arg, kind in [("solver='bogus'", "unknown"), ("rtol=0", "range"), ("atol=-1", "range"), ("scale=0", "range"),
                       ("adjoint='yes'", "type"), ("norm=5", "type"), ("drop_path_rate=0.1", "range")]:
@@ -195,6 +201,15 @@ def _loader_cases() -> list[Case]:
     cases += [
         _api("datamodules", "unknown", "nope", "create_datamodule('nope', img_size=16)"),
         _api("datamodules", "range", "val_fraction", "create_datamodule('digits', img_size=16, val_fraction=1.5)"),
+        _api("datamodules", "range", "scale", "create_datamodule('digit_scenes', img_size=64, scale=[0.3, 0.1])"),
+        _api("datamodules", "type", "digits_per_scene", "create_datamodule('digit_scenes', img_size=64, "
+             "digits_per_scene=2.5)"),
+        _api("datamodules", "range", "num_val_scenes", "create_datamodule('digit_scenes', img_size=64, "
+             "num_val_scenes=0)"),
+        _api("datamodules", "range", "ignore_index", "create_datamodule('segfolder', img_size=64, num_classes=3, "
+             "ignore_index=1)"),
+        _api("datamodules", "missing", "does not exist", "create_datamodule('segfolder', img_size=64, "
+             "root='/nonexistent/seg', num_classes=3).prepare_data()"),
         _api("datamodules", "huge", "img_size", "next(iter(_setup(create_datamodule('synthetic', img_size=16000, "
              "batch_size=64)).train_dataloader()))"),
     ]
