@@ -130,4 +130,5 @@ def test_report_tables_the_miou_of_segmentation_runs(trained, tmp_path):
     text = (tmp_path / "report" / "segmentation.md").read_text()
     (row,) = logged(trained)
     assert f"| scenes_vit_ssog | ssog | {float(row['val/miou']):.2f} ± 0.00 |" in text
-    assert (tmp_path / "report" / "curves.png").is_file() and not (tmp_path / "report" / "runs.md").exists()
+    assert (tmp_path / "report" / "curves.png").is_file() and (tmp_path / "report" / "segmentation.png").is_file()
+    assert not (tmp_path / "report" / "runs.md").exists()

@@ -43,7 +43,8 @@ def find_pairs(root: Path, split: str) -> list[tuple[Path, Path]]:
             images[path.stem] = path
     labels = {p.stem: p for p in folders[1].iterdir() if p.suffix.lower() == ".png"}
     if not images:
-        raise DataError(f"{folders[0]} holds no image ({', '.join(IMAGE_SUFFIXES)}). " + SEGFOLDER_HELP.format(root=root))
+        raise DataError(f"{folders[0]} holds no image ({', '.join(IMAGE_SUFFIXES)}). "
+                        + SEGFOLDER_HELP.format(root=root))
     unlabelled, orphans = sorted(set(images) - set(labels)), sorted(set(labels) - set(images))
     if unlabelled:
         raise DataError(f"{images[unlabelled[0]]} has no label {folders[1] / (unlabelled[0] + '.png')} "

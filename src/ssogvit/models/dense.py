@@ -110,10 +110,9 @@ class PyramidFeatures(nn.Module):
         self.feature_blocks = None if feature_blocks is None else [int(i) for i in feature_blocks]
         self.out_indices = tuple(int(i) for i in out_indices)
         p = backbone.patch_size
-        info = [dict(num_chs=pyramid_dim, reduction=p / s, module=f"pyramid.levels.{i}")
-                for i, s in enumerate(PYRAMID_SCALES)]
-        for entry in info:  # whole reductions stay ints (timm and smp compare them with 2 ** k)
-            entry["reduction"] = int(entry["reduction"]) if float(entry["reduction"]).is_integer() else entry["reduction"]
+        reductions = [p / s for s in PYRAMID_SCALES]  # whole ones as ints: timm and smp compare them with 2 ** k
+        info = [dict(num_chs=pyramid_dim, reduction=int(r) if r.is_integer() else r, module=f"pyramid.levels.{i}")
+                for i, r in enumerate(reductions)]
         self.feature_info = FeatureInfo(info, self.out_indices)
 
     def forward(self, x: Tensor) -> list[Tensor]:

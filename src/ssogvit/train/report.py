@@ -11,7 +11,7 @@ into `--out`:
 - `curves.png`: training and validation loss, and validation top-1 (mIoU for a segmentation run), against epoch,
   every run on the same axes;
 - for segmentation runs (docs/dense.md), `segmentation.md`: per experiment the final validation mIoU and pixel
-  accuracy as mean ± sd over the seeds, and every seed's mIoU;
+  accuracy as mean ± sd over the seeds, and every seed's mIoU, and `segmentation.png` (the mean and every seed);
 - for runs of CPU-sized twins of the paper's runs (experiments whose `meta.paper_experiment` names a paper run, the
   `digits8_*` family: docs/reproduction.md), `reproduction.md`: per family and head, each mixer's final validation
   top-1 as mean ± sd over the seeds, our gaps to MHA beside the paper's, and `reproduction_curves.png` (the mean over
@@ -34,7 +34,7 @@ from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
 __all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "gaps_markdown", "segmentation_markdown",
-           "plot_curves", "main"]
+           "plot_curves", "plot_segmentation", "main"]
 
 
 class ReportError(InputError):
@@ -194,6 +194,31 @@ def segmentation_markdown(runs: list[RunLog]) -> str:
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
+def plot_segmentation(runs: list[RunLog], path: Path) -> None:
+    """Final validation mIoU of each segmentation experiment: a bar at the mean over the seeds, a dot per seed."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[float]] = {}
+    for run in runs:
+        groups.setdefault(run.name, []).append(run.final_top1())
+    names = sorted(groups, key=lambda n: -statistics.fmean(groups[n]))
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.6))
+    ax.bar(range(len(names)), [statistics.fmean(groups[n]) for n in names], color="0.8", edgecolor="0.3")
+    for i, name in enumerate(names):
+        ax.plot([i] * len(groups[name]), groups[name], "o", color="C0", ms=4)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
+    ax.set(ylabel="validation mIoU (%)", title="segmentation: mean over seeds (bar), each seed (dot)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def gaps_markdown(runs: list[RunLog]) -> str:
     """Our CPU-sized twins of the paper's runs beside the paper: per family and head, each mixer's final validation
     top-1 as mean ± sample sd over its seeds, and SSoG's gaps to MHA (mean of ours, with every seed's gap when the
@@ -296,13 +321,14 @@ def _report(args: argparse.Namespace) -> list[Path]:
             raise ReportError(f"run(s) {', '.join(outside)} reproduce no row of Table {args.table} (their config's "
                               "meta.rows); leave out --table to report every table they belong to")
         tables = [args.table]
-    outputs: dict[Path, Any] = {}  # markdown text, None (curves.png) or the runs of reproduction_curves.png
+    outputs: dict[Path, Any] = {}  # text, None (curves.png), ("segmentation", runs), or twins (reproduction_curves)
     out = check_output_folder(args.out, "--out")
     for t in tables:
         outputs[out / f"table{t}.md"] = table_markdown(t, experiment_rows(t), runs)
     dense = [r for r in runs if r.metric == "val/miou"]
     if dense and args.table is None:
         outputs[out / "segmentation.md"] = segmentation_markdown(dense)
+        outputs[out / "segmentation.png"] = ("segmentation", dense)
     loose = [r for r in runs if not r.rows and r.metric != "val/miou"]
     if loose and args.table is None:
         outputs[out / "runs.md"] = table_markdown(None, [], loose)
@@ -319,6 +345,8 @@ def _report(args: argparse.Namespace) -> list[Path]:
         for p, text in outputs.items():
             if text is None:
                 plot_curves(runs, stage / p.name)
+            elif isinstance(text, tuple):
+                plot_segmentation(text[1], stage / p.name)
             elif isinstance(text, list):
                 _plot_twin_curves(text, stage / p.name)
             else:
