@@ -46,8 +46,9 @@ class NeighborhoodAttention(LocalAttention):
       neighbourhoods. Runs everywhere (eager CPU, float64, dropout, export); each query meets ``(tile + k - 1)^2``
       keys instead of ``k^2`` (2x the multiply-adds of the definition for ``k = 7``).
 
-    ``"auto"`` takes flex on CUDA and inside ``torch.compile`` (the surrounding compile fuses it), tiled otherwise
-    (eager CPU), and tiled wherever flex cannot (attention dropout in training).
+    torch's flex_attention has no backward on CPU. ``"auto"`` takes flex on CUDA and, without a backward, inside
+    ``torch.compile`` on CPU (the surrounding compile fuses it); tiled otherwise (eager CPU, training on CPU) and
+    wherever flex cannot (attention dropout in training).
 
     Args:
         dim: token width ``D``.
@@ -91,11 +92,13 @@ class NeighborhoodAttention(LocalAttention):
     def mask(self, grid: tuple[int, int], num_prefix_tokens: int = 0) -> Tensor:
         return reference.neighborhood_mask(grid, self.kernel(grid), num_prefix=num_prefix_tokens)
 
-    def uses_flex(self, device: torch.device, drop: float = 0.0) -> bool:
-        """Whether a call on ``device`` (with attention dropout ``drop``) runs flex_attention."""
+    def uses_flex(self, device: torch.device, *, drop: float = 0.0, grad: bool = False) -> bool:
+        """Whether a call on ``device`` (with attention dropout ``drop``, needing a backward with ``grad``) runs
+        flex_attention."""
         if self.impl != "auto":
             return self.impl == "flex"
-        return drop == 0.0 and (device.type == "cuda" or torch.compiler.is_compiling())
+        cuda = device.type == "cuda"
+        return drop == 0.0 and (cuda or (torch.compiler.is_compiling() and not grad))
 
     def forward(
         self, x: Tensor, grid: tuple[int, int] | None = None, *, num_prefix_tokens: int | None = None
@@ -103,8 +106,12 @@ class NeighborhoodAttention(LocalAttention):
         """Mix tokens ``(B, P + Gh*Gw, D)`` over the patch grid ``(Gh, Gw)`` (required); ``num_prefix_tokens`` as in
         ``Attention.forward``."""
         drop = self.attn_drop.p if self.training else 0.0
-        if not self.uses_flex(x.device, drop):
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in self.parameters()))
+        if not self.uses_flex(x.device, drop=drop, grad=grad):
             return super().forward(x, grid, num_prefix_tokens=num_prefix_tokens)
+        if grad and x.device.type == "cpu":
+            raise ValueError("impl='flex': torch's flex_attention has no backward on CPU; use impl='auto' or 'tiled' "
+                             "to train there")
         gh, gw, p = self._grid(x, grid, num_prefix_tokens)
         q, k, v = self._qkv(x, None, None)  # 3 x (B, H, T, dh)
         flex = _flex_attention(compiled=not torch.compiler.is_compiling())
