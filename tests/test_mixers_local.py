@@ -279,6 +279,22 @@ def test_registry_and_timm_know_the_mixers():
     assert isinstance(model.blocks[0].attn, WindowAttention) and model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
 
 
+@pytest.mark.parametrize("mixer", ["window", "neighborhood", "linear"])
+def test_a_dense_vits_weights_load_and_recorded_maps_are_the_mixers_own(mixer):
+    from ssogvit.models import record_attention
+
+    kw = dict(img_size=32, patch_size=8, depth=2, num_classes=3)
+    model = create_model(f"vit-tiny-{mixer}", **kw, **({"window_size": 2} if mixer == "window" else
+                                                        {"kernel_size": 3} if mixer == "neighborhood" else {}))
+    model.load_state_dict(create_model("vit-tiny-mha", **kw).state_dict())  # strict: timm's names and shapes
+    x = torch.randn(1, 3, 32, 32)
+    with record_attention(model) as maps:
+        model(x)
+    assert len(maps) == 2 and all(torch.allclose(a.sum(-1), torch.ones(())) for a in maps)
+    if mixer != "linear":
+        assert torch.equal(maps[0][0, 0] > 0, model.blocks[0].attn.mask((4, 4), 1))
+
+
 def test_vitdet_global_blocks():
     model = create_model("vit-tiny-window", img_size=32, patch_size=8, depth=4, num_classes=3, window_size=2,
                          global_blocks=(3, 1))
