@@ -26,14 +26,13 @@ KINDS = ("missing", "existing", "read-only", "file-for-folder", "type", "range",
 @dataclass(frozen=True)
 class Case:
     """One bad input. Exactly one of `argv` (the command line, without `ssogvit`) and `code` (a Python expression
-    over the public API) is set; `owner` names the branch that owns the surface on this one's base."""
+    over the public API) is set;"""
 
     surface: str
     kind: str
     needle: str
     argv: tuple[str, ...] | None = None
     code: str | None = None
-    owner: str | None = None
     subprocess: bool = False  # run in a child process even in the fast (in-process) mode: it may change the process
     tags: tuple[str, ...] = field(default_factory=tuple)
 
@@ -79,11 +78,11 @@ FILES = {
 }
 
 
-def _cli(surface: str, kind: str, needle: str, *argv: str, owner: str | None = None, sub: bool = False) -> Case:
-    return Case(surface, kind, needle, argv=tuple(argv), owner=owner, subprocess=sub)
+def _cli(surface: str, kind: str, needle: str, *argv: str, sub: bool = False) -> Case:
+    return Case(surface, kind, needle, argv=tuple(argv), subprocess=sub)
 
 
-def _api(surface: str, kind: str, needle: str, code: str, owner: str | None = None) -> Case:
+def _api(surface: str, kind: str, needle: str, code: str) -> Case:
     return Case(surface, kind, needle, code=code)
 
 
@@ -397,22 +396,21 @@ def _other_cases() -> list[Case]:
         (("bogus",), "unknown", "bogus"), (("--table", "0"), "range", "--table"), (("--table", "x"), "type", "--table"),
         (("--table", "99"), "range", "99")]]
     main = ("main", "--out", "{tmp}/main", "trainer.limit_train_batches=1", "trainer.limit_val_batches=1")
-    cases += [_cli("main", kind, needle, *main, *extra, owner="issue-25", sub=True) for extra, kind, needle in [
+    cases += [_cli("main", kind, needle, *main, *extra, sub=True) for extra, kind, needle in [
         (("--epochs", "0"), "range", "--epochs"), (("--epochs", "-1"), "range", "--epochs"),
         (("--mixers", "ssog,foo"), "unknown", "foo"), (("--threads", "-1"), "range", "--threads"),
     ]]
-    cases.append(_cli("main", "file-for-folder", "--out", "main", "--out", "{file}", "--epochs", "1", owner="issue-25",
-                      sub=True))
+    cases.append(_cli("main", "file-for-folder", "--out", "main", "--out", "{file}", "--epochs", "1", sub=True))
     bm = ("bench", "models", "--sizes", "tiny", "--res", "32", "--batch", "1", "--iters", "1", "--warmup", "0",
           "--blocks", "1", "--no-plots", "--device", "cpu", "--out", "{tmp}/bench")
-    cases += [_cli("bench", kind, needle, *bm, *extra, owner="issue-24b", sub=True) for extra, kind, needle in [
+    cases += [_cli("bench", kind, needle, *bm, *extra, sub=True) for extra, kind, needle in [
         (("--families", "bogus"), "unknown", "bogus"), (("--mixers", "bogus"), "unknown", "bogus"),
         (("--res", "0"), "range", "--res"), (("--batch", "0"), "range", "--batch"),
         (("--num-classes", "-1"), "range", "--num-classes"), (("--out", "{file}"), "file-for-folder", "--out"),
     ]]
     op = ("bench", "operator", "--res", "32", "--batch", "1", "--iters", "1", "--warmup", "0", "--blocks", "1",
           "--no-plots", "--device", "cpu", "--out", "{tmp}/bench")
-    cases += [_cli("bench", kind, needle, *op, *extra, owner="issue-24b", sub=True) for extra, kind, needle in [
+    cases += [_cli("bench", kind, needle, *op, *extra, sub=True) for extra, kind, needle in [
         (("--dim", "0"), "range", "--dim"), (("--heads", "0"), "range", "--heads"),
         (("--prefix", "-1"), "range", "--prefix"), (("--patch", "0"), "range", "--patch"),
     ]]

@@ -24,25 +24,13 @@ sys.path.insert(0, str(SCRIPTS))
 import bad_inputs as runner  # noqa: E402
 from bad_inputs_catalogue import CASES, Case  # noqa: E402
 
-#: cases of surfaces another branch owns that already pass here (all others of theirs still fail: xfail, strict)
-OWNED_BUT_CLEAR = {"main: main --out {tmp}/main trainer.limit_train_batches=1 trainer.limit_val_batches=1 --mixers "
-                   "ssog,foo"}
-
-
-def _marks(case: Case) -> list:
-    if case.owner and case.name not in OWNED_BUT_CLEAR:  # slow too: accepted, each runs until its timeout
-        return [pytest.mark.xfail(strict=True, reason=f"surface owned by {case.owner}: adopt inputs/outputs"),
-                pytest.mark.slow]
-    return []
-
-
 def _params(cases: list[Case]) -> list:
-    return [pytest.param(c, marks=_marks(c), id=f"{c.surface}-{c.kind}-{i}") for i, c in enumerate(cases)]
+    return [pytest.param(c, id=f"{c.surface}-{c.kind}-{i}") for i, c in enumerate(cases)]
 
 
 def _sample() -> list[Case]:
     """Few command-line cases that between them cover every command and every class of bad input (greedy)."""
-    pool = [c for c in CASES if c.argv is not None and not c.owner]
+    pool = [c for c in CASES if c.argv is not None]
     wanted = {("command", c.argv[0]) for c in pool} | {("kind", c.kind) for c in pool}
     chosen = []
     while wanted:
