@@ -240,19 +240,20 @@ def format_fits(rows: Sequence[dict]) -> str:
 
 
 def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
-    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table)."""
-    lines = []
+    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table); with rows
+    of several modes (``--mode inference train``), the mode of each."""
+    lines, modes = [], len({_mode(r) for r in rows}) > 1  # a mode column when the run measured several
     for r in model_table(rows, baseline):
         b = r["baseline"]
         cells = [r["label"], "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b),
-                 _mode(r), r["res"], r["batch"]]
+                 *([_mode(r)] if modes else []), r["res"], r["batch"]]
         if not _ok(r):
             lines.append(cells + [r.get("status")] + ["-"] * 6)
             continue
         lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
                               cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
                               times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
-    return markdown_table(["model", "compared with", "mode", "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
+    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
                    "speed-up", "FLOP bound", "memory saved"], lines)
 
 
