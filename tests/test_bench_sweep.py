@@ -301,3 +301,20 @@ def test_a_point_whose_process_dies_is_recorded_as_such(monkeypatch):
     assert killed["status"] == "oom" and "SIGKILL" in killed["error"]
     gone = runner.run_point(dict(how="exit", batch=1), timeout=300)
     assert gone["status"] == "error" and gone["error"] == "child exited with 3 without a result"
+
+
+def test_a_run_of_both_modes_compares_each_mixer_within_its_mode():
+    from ssogvit.bench.sweeps import format_model_table, model_table
+
+    def row(mixer, mode, ips):
+        return dict(family="vit", size="small", mixer=mixer, label=f"vit-small-{mixer}", res=1024, batch=1,
+                    mode=mode, status="ok", images_per_s=ips, peak_mib=10.0, gflops_per_image=1.0)
+
+    rows = [row("mha", "inference", 2.0), row("window", "inference", 6.0), row("mha", "train", 1.0),
+            row("window", "train", 1.5)]
+    ratios = {(r["mixer"], r["mode"]): r.get("speedup") for r in model_table(rows)}
+    assert ratios == {("mha", "inference"): None, ("window", "inference"): pytest.approx(3.0),
+                      ("mha", "train"): None, ("window", "train"): pytest.approx(1.5)}
+    table = format_model_table(rows)
+    assert "| vit-small-window | mha (fused SDPA) | train | 1024 | 1 |" in table and "| mode |" in table
+    assert "| mode |" not in format_model_table(rows[:2])  # one mode: the table of before

@@ -58,7 +58,7 @@ def open_steering(model, gate=0.0, std=0.05):
 
 def test_list_models_covers_every_family_size_and_mixer():
     names = list_models()
-    assert len(names) == len(FAMILIES) * len(SIZES) * len(list_mixers()) == 60
+    assert len(names) == len(FAMILIES) * len(SIZES) * len(list_mixers()) == 105
     assert {parse_model_name(n) for n in names} == {(f, s, m) for f in FAMILIES for s in SIZES for m in list_mixers()}
     assert list_models("vit-*-ssog*") == [f"vit-{s}-{m}" for s in SIZES for m in ("ssog", "ssog-steered")]
 

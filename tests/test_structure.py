@@ -129,8 +129,8 @@ def test_model_rescale_field_leaves_attention_models_and_the_fixed_field_config_
 def test_the_families_share_the_base_constructor_and_add_only_their_own_options():
     for cls in (VisionTransformer, LoopedViT, ODEViT):
         assert "__init__" not in vars(cls), cls
-    shared = model_options("vit")
-    assert model_options("looped") == shared
+    shared = model_options("looped")
+    assert model_options("vit") == [*shared, "global_blocks"]
     assert model_options("ode") == [*shared, "solver", "scale", "norm", "rtol", "atol", "adjoint"]
     with pytest.raises(TypeError, match="unexpected keyword argument 'solver'"):
         VisionTransformer(**TINY, solver="rk4")

@@ -34,7 +34,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     add("--blocks", type=POSITIVE.argparse, default=3, help="timed blocks per point; the fastest is kept")
     add("--device", default="auto", choices=["auto", "cpu", "cuda"])
     add("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="autocast (auto: fp16 on CUDA)")
-    add("--mode", default="inference", choices=["inference", "train"], help="train: forward, backward, AdamW step")
+    add("--mode", nargs="+", default=["inference"], choices=["inference", "train"],
+        help="train: forward, backward, AdamW step; both: every point in each mode, side by side in one run")
     add("--threads", type=Int(1, 1024).argparse, help="torch threads in each point's process")
     add("--mem-cap-mib", type=POSITIVE_NUMBER.argparse, help="memory cap per point (out of memory beyond it)")
     add("--no-memory", action="store_true", help="skip the peak-memory call")
@@ -113,7 +114,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--iters 0 (no timing) with --no-memory measures nothing; drop one of them")
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else "fp16" if device == "cuda" else "fp32"
-    return dict(warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=dtype, mode=args.mode,
+    return dict(warmup=args.warmup, iters=args.iters, blocks=args.blocks, device=device, dtype=dtype, mode=args.mode[0],
                 threads=args.threads, mem_cap_mib=args.mem_cap_mib, measure_memory=not args.no_memory,
                 memory=args.memory, flush_denormal=args.flush_denormal, compile=args.compile)
 
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.matmul_peak:
             points.insert(0, dict(kind="matmul", label="matmul-2048", size=2048, res=None, tokens=None, batch=1,
                                   **{**common, "measure_memory": False}))
+    _check_builds(points)
+    points = [p | {"mode": mode} for mode in dict.fromkeys(args.mode) for p in points
+              if p["kind"] != "matmul" or mode == args.mode[0]]
     out = _claim(args.out, _outputs(args.command, name, not args.no_plots), args.overwrite)
     rows, meta = _sweep(points, args, common, out, name, command_line)
     print(f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
@@ -196,6 +200,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error at {r.get('label')} res={r.get('res')} batch={r.get('batch')}: {r.get('error')}", file=sys.stderr)
     print(f"wrote {out / (name + '.json')} and {out / (name + '.csv')}")
     return 1 if failed else 0
+
+
+def _check_builds(points: list[dict]) -> None:
+    """Build each configuration of the points once on the meta device (shapes only): an option a model or mixer
+    refuses is a usage error before any point runs, not a failed point."""
+    import torch
+
+    from ssogvit.layers import create_mixer
+    from ssogvit.models import create_model
+
+    seen = set()
+    for p in points:
+        if p["kind"] == "model":
+            key, build = (p["model"], repr(p["model_kwargs"])), lambda: create_model(p["model"], img_size=p["res"],
+                                                                                     **p["model_kwargs"])
+        elif p["kind"] == "operator" and p["mixer"] != "torch-mha":
+            key, build = (p["label"],), lambda: create_mixer(p["mixer"], p["dim"], p["heads"], **p["mixer_options"])
+        else:
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            with torch.device("meta"):
+                build()
+        except (ValueError, TypeError) as err:
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise UsageError(f"{p['label']} does not build: {first}") from None
 
 
 def _render(command: str, rows: list[dict], baseline: str, out: Path, name: str, *, plots: bool = True) -> None:

@@ -1,6 +1,8 @@
 """Forward FLOPs per image, counted analytically from a model's modules (docs/benchmarks.md, "FLOPs: the convention",
 paper Table 4): 2 per multiply-add, each linear layer and attention core per application, SSoG's values on the patches
-only, its ``R D N (Gh + Gw)`` mixing and ``P N D`` prefix means; norms, softmax and kernel tables not counted."""
+only, its ``R D N (Gh + Gw)`` mixing and ``P N D`` prefix means; window attention ``2 N w^2 D`` over the padded windows,
+neighbourhood attention ``2 N k^2 D``, linear attention ``2 T D dh`` (each with its prefix rows and columns, counted by
+the mixer's own ``flops``); norms, softmax, feature maps and kernel tables not counted."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ _ATTENTION = (Attention, TimmAttention, nn.MultiheadAttention)
 def find_mixers(module: nn.Module) -> list[nn.Module]:
     """Token mixers inside ``module`` (outermost only): SSoG, dense attention, or a mixer that counts its own
     ``flops(grid, num_prefix_tokens)``; recognised by class, never by parameter names."""
-    if is_ssog(module) or isinstance(module, _ATTENTION) or callable(getattr(module, "flops", None)):
+    if callable(getattr(module, "flops", None)) or is_ssog(module) or isinstance(module, _ATTENTION):
         return [module]
     return [m for child in module.children() for m in find_mixers(child)]
 
@@ -37,12 +39,15 @@ def find_mixers(module: nn.Module) -> list[nn.Module]:
 def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, int]:
     """FLOPs of one call of one mixer on one image: ``projections``, ``core``, ``steering`` and ``total``.
 
-    A mixer of another kind says what it costs with a method ``flops(grid, num_prefix_tokens)`` returning the same
-    dict; one that does not is a ``TypeError`` (never a guess)."""
+    A mixer that says what it costs with a method ``flops(grid, num_prefix_tokens)`` returning the same dict is taken
+    at its word (window, neighbourhood and linear attention: their patterns are not dense attention's though their
+    class is); one that is neither SSoG, nor dense attention, nor says is a ``TypeError`` (never a guess)."""
     gh, gw = to_2tuple(grid)
     n = gh * gw
     t = n + num_prefix_tokens
     steer = 0
+    if callable(getattr(mixer, "flops", None)):
+        return mixer.flops((gh, gw), num_prefix_tokens)
     if is_ssog(mixer):
         d = mixer.v.out_features
         proj = n * d * d + t * d * d  # values of the patches only, output projection of every token
@@ -52,8 +57,6 @@ def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int 
     elif isinstance(mixer, _ATTENTION):
         d = mixer.embed_dim if isinstance(mixer, nn.MultiheadAttention) else mixer.qkv.in_features
         proj, core = 4 * t * d * d, 2 * t * t * d
-    elif callable(getattr(mixer, "flops", None)):
-        return mixer.flops((gh, gw), num_prefix_tokens)
     else:
         raise TypeError(f"cannot count the FLOPs of {type(mixer).__name__}: not SSoG or dense attention, and it has "
                         "no flops(grid, num_prefix_tokens)")

@@ -176,13 +176,17 @@ def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[
     return fits
 
 
+def _mode(r: dict) -> str:
+    return r.get("mode") or "inference"
+
+
 def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
-    """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, resolution and batch
+    """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, mode, resolution and batch
     (``compare`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
     in turn, a group's rows appearing once per baseline."""
     out = []
-    for family, size in dict.fromkeys((r["family"], r["size"]) for r in rows):
-        group = [r for r in rows if (r["family"], r["size"]) == (family, size)]
+    for family, size, mode in dict.fromkeys((r["family"], r["size"], _mode(r)) for r in rows):
+        group = [r for r in rows if (r["family"], r["size"], _mode(r)) == (family, size, mode)]
         bases = baselines_of(family, [r.get("mixer") for r in group], baseline) or [None]
         for name in bases:
             base = {(r["res"], r["batch"]): r for r in group if r.get("mixer") == name and _ok(r)}
@@ -236,19 +240,20 @@ def format_fits(rows: Sequence[dict]) -> str:
 
 
 def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
-    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table)."""
-    lines = []
+    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table); with rows
+    of several modes (``--mode inference train``), the mode of each."""
+    lines, modes = [], len({_mode(r) for r in rows}) > 1  # a mode column when the run measured several
     for r in model_table(rows, baseline):
         b = r["baseline"]
         cells = [r["label"], "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b),
-                 r["res"], r["batch"]]
+                 *([_mode(r)] if modes else []), r["res"], r["batch"]]
         if not _ok(r):
             lines.append(cells + [r.get("status")] + ["-"] * 6)
             continue
         lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
                               cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
                               times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
-    return markdown_table(["model", "compared with", "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
+    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
                    "speed-up", "FLOP bound", "memory saved"], lines)
 
 
@@ -302,12 +307,14 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
         return None
     fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in table})
-    for i, key in enumerate(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"]) for r in table)):
+    modes = {_mode(r) for r in table}
+    for i, key in enumerate(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)):
         for j, b in enumerate(batches):
             pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
-                         if (r["family"], r["size"], r["mixer"], r["baseline"]) == key and r["batch"] == b)
+                         if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key and r["batch"] == b)
             if pts:
-                label = f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", batch {b}" if len(batches) > 1 else "")
+                label = (f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
+                         + (f", batch {b}" if len(batches) > 1 else ""))
                 ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **_style(i, j))
                 mem = [(p[0], 100 * p[2]) for p in pts if p[2] is not None]
                 if mem:
@@ -325,20 +332,20 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return None
-    families = sorted({(r["family"], r["size"]) for r in ok})
+    families = sorted({(r["family"], r["size"], _mode(r)) for r in ok})
     fig, axes = pyplot().subplots(2, len(families), figsize=(4.6 * len(families), 7), squeeze=False)
     mixers, batches = sorted({r["mixer"] for r in ok}), sorted({r["batch"] for r in ok})
     for c, fam in enumerate(families):
         for i, mixer in enumerate(mixers):
             for j, b in enumerate(batches):
                 pts = sorted((r["res"], r.get("images_per_s"), r.get("peak_mib")) for r in ok
-                             if (r["family"], r["size"]) == fam and r["mixer"] == mixer and r["batch"] == b)
+                             if (r["family"], r["size"], _mode(r)) == fam and r["mixer"] == mixer and r["batch"] == b)
                 for ax, k in ((axes[0][c], 1), (axes[1][c], 2)):
                     drawn = [p for p in pts if p[k] is not None]
                     if drawn:
                         ax.plot([p[0] for p in drawn], [p[k] for p in drawn],
                                 label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}", **_style(i, j))
-        axes[0][c].set(title=f"{fam[0]}-{fam[1]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
+        axes[0][c].set(title=f"{fam[0]}-{fam[1]}, {fam[2]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
                        yscale="log")
         axes[1][c].set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")
     return _finish(fig, [ax for col in axes for ax in col], path, 7)

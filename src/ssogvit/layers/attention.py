@@ -68,14 +68,18 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
         else:
             y = self.attn_drop(self._probs(q, k)) @ v
-        b, t, d = x.shape
-        return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return self._output(y)
 
     def attention_matrix(self, x: Tensor, grid: tuple[int, int] | None = None, *,
                          num_prefix_tokens: int | None = None) -> Tensor:
         """The ``(B, H, T, T)`` attention probabilities for ``x`` (the explicit path; diagnostics)."""
         q, k, _ = self._qkv(x, grid, num_prefix_tokens)
         return self._probs(q, k)
+
+    def _output(self, y: Tensor) -> Tensor:
+        """Heads ``(B, H, T, dh)`` merged and projected: ``(B, T, D)``."""
+        b, _, t, _ = y.shape
+        return self.proj_drop(self.proj(y.transpose(1, 2).reshape(b, t, self.dim)))
 
     def _probs(self, q: Tensor, k: Tensor) -> Tensor:
         return torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)  # (B, H, T, T)

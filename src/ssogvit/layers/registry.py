@@ -9,7 +9,10 @@ from typing import Any
 from torch import nn
 
 from ssogvit.layers.attention import Attention
+from ssogvit.layers.linear import LinearAttention
+from ssogvit.layers.neighborhood import NeighborhoodAttention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
+from ssogvit.layers.window import WindowAttention
 
 __all__ = ["MIXERS", "create_mixer", "list_mixers", "mixer_options"]
 
@@ -19,6 +22,9 @@ MIXERS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
     "mha-unfused": (Attention, {"fused": False}),
     "ssog": (SSoGAttention, {"steer": ()}),
     "ssog-steered": (SSoGAttention, {"steer": STEER_PATHS}),
+    "window": (WindowAttention, {}),
+    "neighborhood": (NeighborhoodAttention, {}),
+    "linear": (LinearAttention, {}),
 }
 
 
@@ -44,7 +50,9 @@ def create_mixer(name: str, dim: int, num_heads: int, **options: Any) -> nn.Modu
     """Build a token mixer by name.
 
     Args:
-        name: one of ``list_mixers()``: ``"mha"``, ``"mha-unfused"``, ``"ssog"``, ``"ssog-steered"``.
+        name: one of ``list_mixers()``: ``"mha"``, ``"mha-unfused"``, ``"ssog"``, ``"ssog-steered"``, and the
+            attention users pick at high resolution: ``"window"`` (``window_size``, ``shift_size``),
+            ``"neighborhood"`` (``kernel_size``, ``impl``), ``"linear"`` (docs/models.md).
         dim: token width.
         num_heads: number of heads.
         **options: keyword options of the mixer class (``mixer_options(name)`` lists them). ``"ssog-steered"``
