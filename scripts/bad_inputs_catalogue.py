@@ -109,7 +109,8 @@ def _model_cases() -> list[Case]:
         _api("create_model", "huge", "embed_dim", "create_model('vit-base-ssog', embed_dim=8192, num_heads=8, "
              "depth=512)"),
         _api("create_model", "unknown", "steer", "create_model('vit-tiny-ssog-steered', **dict(TINY, steer='tau'))"),
-        _api("create_model", "range", "global_blocks", "create_model('vit-tiny-window', **dict(TINY, global_blocks=(9,)))"),
+        _api("create_model", "range", "global_blocks",
+             "create_model('vit-tiny-window', **dict(TINY, global_blocks=(9,)))"),
         _api("create_model", "type", "global_blocks", "create_model('vit-tiny-window', **dict(TINY, global_blocks=1))"),
         _api("create_model", "unknown", "global_blocks",
              "create_model('looped-tiny-window', **dict(TINY, global_blocks=(0,)))"),

@@ -125,10 +125,12 @@ class WindowAttention(LocalAttention):
         return (same & valid[:, None, :]) | ~valid[:, :, None]
 
     def flops(self, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, int]:
-        """FLOPs of one image: every cell of the padded windows a query of ``wh * ww`` keys (``ssogvit.bench.flops``)."""
+        """FLOPs of one image: every cell of the padded windows a query of ``wh * ww`` keys
+        (``ssogvit.bench.flops``)."""
         (wh, ww), _ = self.windows(grid)
         cells = -(-grid[0] // wh) * wh * -(-grid[1] // ww) * ww
         return self._core_flops(cells, wh * ww, grid, num_prefix_tokens)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, shift_size={self.shift_size}"
+        return (f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, "
+                f"shift_size={self.shift_size}")
