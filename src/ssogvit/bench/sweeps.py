@@ -253,8 +253,8 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
         lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
                               cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
                               times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
-    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
-                   "speed-up", "FLOP bound", "memory saved"], lines)
+    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s",
+                           "ms / batch", "peak MiB", "GFLOPs / img", "speed-up", "FLOP bound", "memory saved"], lines)
 
 
 def format_saved_table(rows: Sequence[dict]) -> str:
@@ -308,7 +308,8 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in table})
     modes = {_mode(r) for r in table}
-    for i, key in enumerate(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)):
+    keys = dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)
+    for i, key in enumerate(keys):
         for j, b in enumerate(batches):
             pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
                          if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key and r["batch"] == b)
