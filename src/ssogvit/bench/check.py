@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ssogvit.bench.sweeps import compare, model_points, operator_fits, operator_points
@@ -29,10 +29,6 @@ class Thresholds:
     max_train_memory_ratio: float | None = None
     max_steered_time_ratio: float | None = None
     max_steered_memory_ratio: float | None = None
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @functools.cache

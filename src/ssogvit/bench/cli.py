@@ -10,6 +10,7 @@ import io
 import json
 import shlex
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--train-res", type=IMG_SIZE.argparse, nargs="*", default=[], help="resolutions of training steps")
     t.add_argument("--train-batch", type=BATCH_SIZE.argparse, nargs="+", default=[1], help="batches of training steps")
     t.add_argument("--from-json", default=None, metavar="RESULTS.json", help="judge a saved run's results again")
-    for name in Thresholds.names():
-        t.add_argument("--" + name.replace("_", "-"), type=Float(0).argparse, default=None, metavar="X")
+    for field in fields(Thresholds):
+        t.add_argument("--" + field.name.replace("_", "-"), type=Float(0).argparse, default=None, metavar="X")
     _add_run_options(t)
     t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS))
     return ap
@@ -323,7 +324,7 @@ def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_
     from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
     from ssogvit.bench.runner import read_results
 
-    limits = Thresholds(**{k: getattr(args, k) for k in Thresholds.names()})
+    limits = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     written = [f"{name}_checks.json", f"{name}_table.md"] + ([] if args.from_json else [f"{name}.json", f"{name}.csv"])
     if args.from_json:
         try:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ssogvit.outputs import atomic_write
-from ssogvit.results import markdown_table, pyplot
+from ssogvit.results import markdown_table, pyplot, save_figure
 
 __all__ = [
     "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "cell", "compare", "default_mixers",
@@ -283,9 +282,7 @@ def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
         if ax.get_legend_handles_labels()[0]:  # a time-only run (--no-memory) draws no memory lines
             ax.legend(fontsize=fontsize)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110), overwrite=True)
-    pyplot().close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha") -> Path | None:
