@@ -88,6 +88,7 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
 
     ops = [r for r in rows if r.get("kind") == "operator"]
     op_keys = sorted({(r["batch"], r["res"]) for r in ops})
+    batches = sorted({b for b, _ in op_keys})
     for batch, res in op_keys:
         a, s, st = (idx.get(("operator", m, res, batch, "inference")) for m in MIXERS)
         point = f"res {res}, batch {batch}"
@@ -106,16 +107,15 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
                                 limits.max_steered_time_ratio))
             memory("steered peak memory / fixed (mixer)", point, st, s, limits.max_steered_memory_ratio)
     fits = operator_fits(ops, "peak_mib")
-    for fit, label, batch in ((fits[m, b], m, b) for b in sorted({b for b, _ in op_keys}) for m in MIXERS
-                              if (m, b) in fits):
+    for fit, label, batch in ((fits[m, b], m, b) for b in batches for m in MIXERS if (m, b) in fits):
         out.append(_row("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", fit.exponent,
                         limits.max_memory_exponent if label == "ssog" else None, note=f"fit over {fit.points} points"))
     for r in (r for r in rows if r.get("kind") == "model" and r.get("mixer") != "mha"):
         mode = r.get("mode", "inference")
         a = idx.get(("model", r["label"].removesuffix(r["mixer"]) + "mha", r["res"], r["batch"], mode))
         s = idx.get(("model", r["label"], r["res"], r["batch"], mode))
-        point, what = f"{r['label']}, res {r['res']}, batch {r['batch']}", ("training step" if mode == "train"
-                                                                               else "whole model")
+        point = f"{r['label']}, res {r['res']}, batch {r['batch']}"
+        what = "training step" if mode == "train" else "whole model"
         if a is None or s is None:
             out.append(_row(f"{what} vs MHA twin", point, None, note="a point failed"))
             continue
@@ -129,7 +129,7 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
         if mode == "train":
             memory("training step peak memory / MHA twin", point, s, a, limits.max_train_memory_ratio)
     mm = idx.get(("matmul", "matmul-2048", 0, 1, "inference"))
-    for batch in sorted({b for b, _ in op_keys}):
+    for batch in batches:
         s = idx.get(("operator", "ssog", 1024, batch, "inference"))
         if mm and s and s.get("achieved_gflops_per_s") and mm.get("achieved_gflops_per_s"):
             rate, peak = s["achieved_gflops_per_s"], mm["achieved_gflops_per_s"]
