@@ -109,6 +109,11 @@ def _model_cases() -> list[Case]:
         _api("create_model", "huge", "embed_dim", "create_model('vit-base-ssog', embed_dim=8192, num_heads=8, "
              "depth=512)"),
         _api("create_model", "unknown", "steer", "create_model('vit-tiny-ssog-steered', **dict(TINY, steer='tau'))"),
+        _api("create_model", "range", "global_blocks",
+             "create_model('vit-tiny-window', **dict(TINY, global_blocks=(9,)))"),
+        _api("create_model", "type", "global_blocks", "create_model('vit-tiny-window', **dict(TINY, global_blocks=1))"),
+        _api("create_model", "unknown", "global_blocks",
+             "create_model('looped-tiny-window', **dict(TINY, global_blocks=(0,)))"),
     ]
     seg = "create_model('vit-tiny-ssog', task='segmentation', **dict(TINY, num_classes=3, {}))"  # docs/dense.md
     for arg, kind, needle in [("pyramid_dim=0", "range", "pyramid_dim"), ("head_dim=1.5", "type", "head_dim"),
@@ -137,6 +142,13 @@ def _mixer_cases() -> list[Case]:
         ("'ssog', 16, 2, bias='no'", "type", "bias"), ("'ssog', 16, 2, num_atoms=1025", "range", "num_atoms"),
         ("'ssog', 16, 2, tau_min=-1", "range", "tau_min"), ("'ssog', 16, 2, mu_init_std=-1", "range", "mu_init_std"),
         ("'mha', 16, 2, num_atoms=4", "unknown", "num_atoms"),
+        ("'window', 16, 2, window_size=0", "range", "window_size"), ("'window', 16, 2, window_size=2.5", "type",
+                                                                      "window_size"),
+        ("'window', 16, 2, window_size=4, shift_size=4", "range", "shift_size"),
+        ("'neighborhood', 16, 2, kernel_size=4", "range", "kernel_size"),
+        ("'neighborhood', 16, 2, impl='natten'", "unknown", "impl"),
+        ("'neighborhood', 16, 2, impl='flex', attn_drop=0.1", "range", "attn_drop"),
+        ("'linear', 16, 2, attn_drop=0.1", "unknown", "attn_drop"),
     ]]
     cases += [
         _api("SSoGAttention", "range", "num_atoms", "SSoGAttention(16, 2, num_atoms=-1)"),
@@ -145,7 +157,7 @@ def _mixer_cases() -> list[Case]:
         _api("Attention", "type", "qkv_bias", "Attention(16, 2, qkv_bias=1)"),
     ]
     call = "create_mixer({!r}, 16, 2)(torch.randn(1, 17, 16), grid={})"
-    for name in ("ssog", "ssog-steered", "mha"):
+    for name in ("ssog", "ssog-steered", "mha", "window", "neighborhood", "linear"):
         cases += [
             _api("mixer call", "range", "grid", call.format(name, "(2, 2)")),  # 13 patches taken as prefix tokens
             _api("mixer call", "type", "grid", call.format(name, "(4.5, 4)")),

@@ -1,14 +1,14 @@
-"""``ssogvit bench check``: SSoG against attention at ViT-B width (the mixer alone, whole models, training steps, a
-2048^3 matmul), each comparison judged against the threshold given, or reported (docs/benchmarks.md)."""
+"""``ssogvit bench check``: SSoG against attention at ViT-B width, each comparison judged against the threshold given,
+or reported (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from ssogvit.bench.sweeps import compare, fit_power_law, model_points, operator_points
+from ssogvit.bench.sweeps import compare, model_points, operator_fits, operator_points
 from ssogvit.results import markdown_table
 
 __all__ = ["Thresholds", "check_points", "evaluate", "format_check", "mixer_bound", "model_bound"]
@@ -20,8 +20,7 @@ MIXERS = ("mha", "ssog", "ssog-steered")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What ``evaluate`` judges (docs/benchmarks.md has the table of what each means); ``None`` reports the figure
-    without a verdict."""
+    """What ``evaluate`` judges (docs/benchmarks.md has the table); ``None`` reports the figure without a verdict."""
 
     min_bound_fraction: float | None = None
     min_model_speedup: float | None = None
@@ -31,31 +30,22 @@ class Thresholds:
     max_steered_time_ratio: float | None = None
     max_steered_memory_ratio: float | None = None
 
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
 
 @functools.cache
-def _bound(res: int, whole_block: bool) -> float:
+def mixer_bound(res: int, whole_block: bool = False) -> float:
+    """The speed-up of fixed SSoG over attention that the FLOP counts allow at ViT-B width: one block's mixer alone,
+    or with ``whole_block`` the mixer plus MLP."""
     from ssogvit.bench.flops import flops_breakdown
     from ssogvit.models import create_model
 
-    def flops(mixer: str) -> int:  # one ViT-B block's mixer (and MLP), counted on the modules
-        parts = flops_breakdown(create_model(f"vit-base-{mixer}", depth=1, img_size=res), res)
-        return parts["mixer"] + (parts["mlp"] if whole_block else 0)
-
-    return flops("mha") / flops("ssog")
-
-
-def mixer_bound(res: int) -> float:
-    """The speed-up of fixed SSoG over attention that the FLOP counts allow at ViT-B width, mixer alone."""
-    return _bound(res, False)
+    parts = [flops_breakdown(create_model(f"vit-base-{m}", depth=1, img_size=res), res) for m in ("mha", "ssog")]
+    a, s = (p["mixer"] + (p["mlp"] if whole_block else 0) for p in parts)
+    return a / s
 
 
 def model_bound(res: int) -> float:
-    """The same bound for a whole ViT-B block (mixer plus MLP)."""
-    return _bound(res, True)
+    """``mixer_bound`` for a whole ViT-B block (mixer plus MLP)."""
+    return mixer_bound(res, True)
 
 
 def check_points(*, resolutions: Sequence[int] = RESOLUTIONS, batches: Sequence[int] = (1, 8),
@@ -98,6 +88,7 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
 
     ops = [r for r in rows if r.get("kind") == "operator"]
     op_keys = sorted({(r["batch"], r["res"]) for r in ops})
+    batches = sorted({b for b, _ in op_keys})
     for batch, res in op_keys:
         a, s, st = (idx.get(("operator", m, res, batch, "inference")) for m in MIXERS)
         point = f"res {res}, batch {batch}"
@@ -111,24 +102,20 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
                             limits.min_bound_fraction, at_least=True, note=f"{ratios['speedup']:.2f}x of {bound:.2f}x"))
         memory("mixer peak memory / fused attention", point, s, a, limits.max_memory_ratio)
         if st is not None:
-            if "speedup" in compare(s, st, "time_ms"):  # steered time / fixed time
-                out.append(_row("steered time / fixed time (mixer)", point, compare(s, st, "time_ms")["speedup"],
+            if "speedup" in (slower := compare(s, st, "time_ms")):  # steered time / fixed time
+                out.append(_row("steered time / fixed time (mixer)", point, slower["speedup"],
                                 limits.max_steered_time_ratio))
             memory("steered peak memory / fixed (mixer)", point, st, s, limits.max_steered_memory_ratio)
-    for batch, label in ((b, m) for b in sorted({b for b, _ in op_keys}) for m in MIXERS):
-        pts = [(r["tokens"], r["peak_mib"]) for r in ops if r.get("label") == label and r.get("batch") == batch
-               and r.get("status") == "ok" and r.get("peak_mib")]
-        if len(pts) >= 2:
-            k = fit_power_law([p[0] for p in pts], [p[1] for p in pts]).exponent
-            limit = limits.max_memory_exponent if label == "ssog" else None
-            out.append(_row("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", k, limit,
-                            note=f"fit over {len(pts)} points"))
+    fits = operator_fits(ops, "peak_mib")
+    for fit, label, batch in ((fits[m, b], m, b) for b in batches for m in MIXERS if (m, b) in fits):
+        out.append(_row("memory exponent k (memory ~ N^k)", f"{label}, batch {batch}", fit.exponent,
+                        limits.max_memory_exponent if label == "ssog" else None, note=f"fit over {fit.points} points"))
     for r in (r for r in rows if r.get("kind") == "model" and r.get("mixer") != "mha"):
         mode = r.get("mode", "inference")
         a = idx.get(("model", r["label"].removesuffix(r["mixer"]) + "mha", r["res"], r["batch"], mode))
         s = idx.get(("model", r["label"], r["res"], r["batch"], mode))
-        point, what = f"{r['label']}, res {r['res']}, batch {r['batch']}", ("training step" if mode == "train"
-                                                                               else "whole model")
+        point = f"{r['label']}, res {r['res']}, batch {r['batch']}"
+        what = "training step" if mode == "train" else "whole model"
         if a is None or s is None:
             out.append(_row(f"{what} vs MHA twin", point, None, note="a point failed"))
             continue
@@ -142,7 +129,7 @@ def evaluate(rows: Sequence[dict], limits: Thresholds = Thresholds()) -> list[di
         if mode == "train":
             memory("training step peak memory / MHA twin", point, s, a, limits.max_train_memory_ratio)
     mm = idx.get(("matmul", "matmul-2048", 0, 1, "inference"))
-    for batch in sorted({b for b, _ in op_keys}):
+    for batch in batches:
         s = idx.get(("operator", "ssog", 1024, batch, "inference"))
         if mm and s and s.get("achieved_gflops_per_s") and mm.get("achieved_gflops_per_s"):
             rate, peak = s["achieved_gflops_per_s"], mm["achieved_gflops_per_s"]

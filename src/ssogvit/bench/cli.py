@@ -10,6 +10,7 @@ import io
 import json
 import shlex
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,7 @@ TABLE4_RESOLUTIONS = [224, 384, 512, 640, 768]
 COUNT, POSITIVE, POSITIVE_NUMBER = Int(0), Int(1), Float(0, low_open=True)
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    """The options of every sweep (docs/benchmarks.md has the table of what each means)."""
+def _add_run_options(p: argparse.ArgumentParser) -> None:  # docs/benchmarks.md has the table of what each means
     add = p.add_argument
     add("--res", type=IMG_SIZE.argparse, nargs="+", default=RESOLUTIONS, help="image resolutions")
     add("--batch", type=BATCH_SIZE.argparse, nargs="+", help="batch sizes (default: models 1 4 on CPU; operator 8)")
@@ -99,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--train-res", type=IMG_SIZE.argparse, nargs="*", default=[], help="resolutions of training steps")
     t.add_argument("--train-batch", type=BATCH_SIZE.argparse, nargs="+", default=[1], help="batches of training steps")
     t.add_argument("--from-json", default=None, metavar="RESULTS.json", help="judge a saved run's results again")
-    for name in Thresholds.names():
-        t.add_argument("--" + name.replace("_", "-"), type=Float(0).argparse, default=None, metavar="X")
+    for field in fields(Thresholds):
+        t.add_argument("--" + field.name.replace("_", "-"), type=Float(0).argparse, default=None, metavar="X")
     _add_run_options(t)
     t.set_defaults(warmup=3, iters=10, res=list(RESOLUTIONS))
     return ap
@@ -131,6 +131,13 @@ def _claim(out: str | Path, files: list[str], overwrite: bool) -> Path:
 def _outputs(command: str, name: str, plots: bool) -> list[str]:
     figures = {"models": ["_relative.png", "_absolute.png"], "operator": ["_fit.png"]}.get(command, []) if plots else []
     return [name + s for s in [".json", ".csv", ".md", *figures]]
+
+
+def _header(meta: dict, device: str) -> str:
+    """Where a run was measured: the command, machine, load before and after, and the ssogvit commit."""
+    return (f"# {meta['command']}\n# {meta.get('cpu')}, torch {meta.get('torch')}, {meta.get('torch_threads')} "
+            f"threads, device {device}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}, ssogvit "
+            f"{meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
 
 
 def _sweep(points: list[dict], args: argparse.Namespace, common: dict[str, Any], out: Path, name: str,
@@ -191,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
               if p["kind"] != "matmul" or mode == args.mode[0]]
     out = _claim(args.out, _outputs(args.command, name, not args.no_plots), args.overwrite)
     rows, meta = _sweep(points, args, common, out, name, command_line)
-    print(f"# {command_line}\n# {meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads, device "
-          f"{common['device']}, load average {meta['loadavg']} -> {meta['loadavg_end']}\n")
+    print(_header(meta, common["device"]))
     baseline = _baseline(points, "mixer" if args.command == "models" else "label", args.baseline)
     _render(args.command, rows, baseline, out, name, plots=not args.no_plots)
     failed = [r for r in rows if r.get("status") == "error"]
@@ -210,21 +216,16 @@ def _check_builds(points: list[dict]) -> None:
     from ssogvit.layers import create_mixer
     from ssogvit.models import create_model
 
-    seen = set()
-    for p in points:
-        if p["kind"] == "model":
-            key, build = (p["model"], repr(p["model_kwargs"])), lambda: create_model(p["model"], img_size=p["res"],
-                                                                                     **p["model_kwargs"])
-        elif p["kind"] == "operator" and p["mixer"] != "torch-mha":
-            key, build = (p["label"],), lambda: create_mixer(p["mixer"], p["dim"], p["heads"], **p["mixer_options"])
-        else:
-            continue
-        if key in seen:
-            continue
-        seen.add(key)
+    builds: dict[tuple, dict] = {}  # the first point of each configuration
+    for p in (p for p in points if p["kind"] == "model" or p["kind"] == "operator" and p["mixer"] != "torch-mha"):
+        builds.setdefault((p["model"], repr(p["model_kwargs"])) if p["kind"] == "model" else (p["label"],), p)
+    for p in builds.values():
         try:
             with torch.device("meta"):
-                build()
+                if p["kind"] == "model":
+                    create_model(p["model"], img_size=p["res"], **p["model_kwargs"])
+                else:
+                    create_mixer(p["mixer"], p["dim"], p["heads"], **p["mixer_options"])
         except (ValueError, TypeError) as err:
             first = (str(err).splitlines() or [type(err).__name__])[0]
             raise UsageError(f"{p['label']} does not build: {first}") from None
@@ -275,17 +276,15 @@ def _report(args: argparse.Namespace) -> int:
     for m, k in ((m, k) for m in metas[1:] for k in ("cpu", "gpu", "torch") if m.get(k) != metas[0].get(k)):
         raise UsageError(f"{m['file']} was measured with {k} {m.get(k)!r} and {metas[0]['file']} with "
                          f"{metas[0].get(k)!r}: timings of different machines cannot share one table")
-    keyed: dict[tuple, dict] = {}  # the file given last wins a point measured in several
-    seen_in: dict[tuple, list[str]] = {}
+    keyed: dict[tuple, list[tuple[str, dict]]] = {}  # the file given last wins a point measured in several
     for f, r in ((f, r) for f, part in parts for r in part):
         key = tuple(r.get(k) for k in ("kind", "label", "res", "batch", "mode", "dtype", "device", "threads"))
-        keyed[key] = r
-        seen_in.setdefault(key, []).append(Path(f).name)
-    rows, first = list(keyed.values()), Path(args.files[0])
+        keyed.setdefault(key, []).append((Path(f).name, r))
+    rows, first = [seen[-1][1] for seen in keyed.values()], Path(args.files[0])
     command, name = ("models" if {r.get("kind") for r in rows} - {"matmul"} == {"model"} else "operator",
                      args.name or first.stem + "_report")
     out = _claim(args.out or first.parent, _outputs(command, name, not args.no_plots), args.overwrite)
-    repeated = {k: files for k, files in seen_in.items() if len(files) > 1}
+    repeated = {k: [f for f, _ in seen] for k, seen in keyed.items() if len(seen) > 1}
     rule = "a point measured in several files is taken from the file given last on the command line"
     write_results(rows, {"merged_from": metas, "merge_rule": rule, "points_in_several_files": len(repeated)}, out,
                   name)
@@ -325,7 +324,7 @@ def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_
     from ssogvit.bench.check import Thresholds, check_points, evaluate, format_check
     from ssogvit.bench.runner import read_results
 
-    limits = Thresholds(**{k: getattr(args, k) for k in Thresholds.names()})
+    limits = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     written = [f"{name}_checks.json", f"{name}_table.md"] + ([] if args.from_json else [f"{name}.json", f"{name}.csv"])
     if args.from_json:
         try:
@@ -343,9 +342,7 @@ def _check(args: argparse.Namespace, common: dict[str, Any], name: str, command_
                             repeat_below_ms=args.repeat_below_ms)
     checks = evaluate(rows, limits)
     write_text(out / f"{name}_checks.json", json.dumps(checks, indent=1) + "\n", overwrite=True)
-    header = (f"# {meta['command']}\n# {meta.get('cpu')}, torch {meta.get('torch')}, {meta.get('torch_threads')} "
-              f"threads, device {common['device']}, load average {meta.get('loadavg')} -> {meta.get('loadavg_end')}, "
-              f"ssogvit {meta.get('ssogvit_commit', '?')}{' (modified)' if meta.get('ssogvit_dirty') else ''}\n")
+    header = _header(meta, common["device"])
     if meta.get("repeats", 1) > 1:
         below = f" whose first time was below {meta['repeat_below_ms']:g} ms" if meta.get("repeat_below_ms") else ""
         header += (f"# each point ran in {meta['repeats']} fresh processes{below}; it keeps its fastest time and its "

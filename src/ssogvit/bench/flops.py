@@ -1,8 +1,5 @@
-"""Forward FLOPs per image, counted analytically from a model's modules (docs/benchmarks.md, "FLOPs: the convention",
-paper Table 4): 2 per multiply-add, each linear layer and attention core per application, SSoG's values on the patches
-only, its ``R D N (Gh + Gw)`` mixing and ``P N D`` prefix means; window attention ``2 N w^2 D`` over the padded windows,
-neighbourhood attention ``2 N k^2 D``, linear attention ``2 T D dh`` (each with its prefix rows and columns, counted by
-the mixer's own ``flops``); norms, softmax, feature maps and kernel tables not counted."""
+"""Forward FLOPs per image, counted analytically from a model's modules by the convention of docs/benchmarks.md
+("FLOPs: the convention, and the paper's Table 4"), and checked with torch's ``FlopCounterMode``."""
 
 from __future__ import annotations
 
@@ -37,15 +34,12 @@ def find_mixers(module: nn.Module) -> list[nn.Module]:
 
 
 def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, int]:
-    """FLOPs of one call of one mixer on one image: ``projections``, ``core``, ``steering`` and ``total``.
-
-    A mixer that says what it costs with a method ``flops(grid, num_prefix_tokens)`` returning the same dict is taken
-    at its word (window, neighbourhood and linear attention: their patterns are not dense attention's though their
-    class is); one that is neither SSoG, nor dense attention, nor says is a ``TypeError`` (never a guess)."""
+    """FLOPs of one call of one mixer on one image: ``projections``, ``core``, ``steering`` and ``total``; a mixer with
+    a method ``flops(grid, num_prefix_tokens)`` is taken at its word (window, neighbourhood, linear attention), one that
+    is neither SSoG, nor dense attention, nor counts its own is a ``TypeError`` (never a guess)."""
     gh, gw = to_2tuple(grid)
-    n = gh * gw
+    n, steer = gh * gw, 0
     t = n + num_prefix_tokens
-    steer = 0
     if callable(getattr(mixer, "flops", None)):
         return mixer.flops((gh, gw), num_prefix_tokens)
     if is_ssog(mixer):
@@ -78,16 +72,12 @@ def grid_of(model: nn.Module, img_size: int | tuple[int, int]) -> tuple[int, int
 
 
 def flops_breakdown(model: nn.Module, img_size: int | tuple[int, int]) -> dict[str, int]:
-    """Forward FLOPs per image of a ViT-like model (the three families, timm ``VisionTransformer`` s), by part:
-    ``patch_embed``, ``mixer`` (attention alone, all applications) with ``mixer_projections``, ``mixer_core``,
-    ``mixer_steering``; ``mlp`` (every other linear layer of the blocks), ``head`` and ``total``. ``model.depth``,
-    where present, is the number of block applications (a looped or ODE model applies its one block that often)."""
-    gh, gw = grid_of(model, img_size)
-    prefix = int(getattr(model, "num_prefix_tokens", 1))
+    """Forward FLOPs per image of a ViT-like model, by part: ``patch_embed``, ``mixer`` (all applications) with
+    ``mixer_projections``, ``mixer_core``, ``mixer_steering``; ``mlp`` (the blocks' other linear layers), ``head``,
+    ``total``. ``model.depth``, where present, is the number of block applications (looped and ODE models)."""
+    (gh, gw), prefix, conv = grid_of(model, img_size), int(getattr(model, "num_prefix_tokens", 1)), _patch_conv(model)
     t = gh * gw + prefix
-    conv = _patch_conv(model)
-    blocks = list(getattr(model, "blocks", []))
-    depth = getattr(model, "depth", None)
+    blocks, depth = list(getattr(model, "blocks", [])), getattr(model, "depth", None)
     if isinstance(depth, int) and blocks and depth % len(blocks):
         raise ValueError(f"model.depth={depth} is not a multiple of its {len(blocks)} blocks")
     reps = depth // len(blocks) if isinstance(depth, int) and blocks else 1
@@ -139,15 +129,13 @@ def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans
 
     from ..backends import cpu
 
-    param = next(model.parameters())
+    param, was_training = next(model.parameters()), model.training
     x = torch.randn(1, in_chans or _patch_conv(model).in_channels, *to_2tuple(img_size), device=param.device,
                     dtype=param.dtype)
-    was_training = model.training
-    model.eval()
+    counter = FlopCounterMode(display=False, custom_mapping=_custom_mapping())
     try:
-        with torch.no_grad(), cpu.enabled(False), FlopCounterMode(display=False,
-                                                                 custom_mapping=_custom_mapping()) as counter:
-            model(x)
+        with torch.no_grad(), cpu.enabled(False), counter:
+            model.eval()(x)
     finally:
         model.train(was_training)
     return int(counter.get_total_flops())

@@ -1,6 +1,5 @@
-"""Peak memory of one call (docs/benchmarks.md, "Peak memory: what is measured"): CUDA's allocator counters; PyTorch's
-CPU allocation events (the default: bytes requested, the same in every process); the resident set (``VmHWM - VmRSS``
-around the call, free heap pages returned first); what a forward saves for backward, per module."""
+"""Peak memory of one call (docs/benchmarks.md, "Peak memory: what is measured"): CUDA's allocator, PyTorch's CPU
+allocation events, the resident set; what a forward saves for backward, per module."""
 
 from __future__ import annotations
 
@@ -41,8 +40,8 @@ def limit_arenas(count: int) -> bool:
 
 
 def cap_address_space(cap_mib: float) -> int:
-    """Let this process map at most ``cap_mib`` more MiB (``RLIMIT_AS``: reserved space, not resident pages; meant for
-    forcing a point out of memory); returns the limit in bytes."""
+    """Let this process map at most ``cap_mib`` more MiB (``RLIMIT_AS``: reserved space, not resident pages); returns
+    the limit in bytes."""
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = status_kib("VmSize")["VmSize"] * 1024 + int(cap_mib * _MIB)
     limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)

@@ -1,7 +1,5 @@
-"""One benchmark point in a process of its own (docs/benchmarks.md, "How a point is run"). A point is a dict: ``kind``
-(``"model"``, ``"operator"``: a registered mixer or ``"torch-mha"``, ``"matmul"``), ``batch``, ``mode`` (``"train"``:
-forward, the output's mean as loss, backward, AdamW step), ``dtype``, ``device``, ``threads``, ``warmup``, ``iters``,
-``blocks``, ``memory``, ``mem_cap_mib``. ``run`` never raises: a failure is the row's ``status``."""
+"""One benchmark point in a process of its own (docs/benchmarks.md, "How a point is run"): a dict, its ``kind``
+(``"model"``, ``"operator"``, ``"matmul"``) and run options; ``run`` never raises: a failure is the row's ``status``."""
 
 from __future__ import annotations
 
@@ -71,23 +69,26 @@ def _build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module,
     return module, forward, x, info | {"gflops_per_image": None if gflops is None else gflops / 1e9}
 
 
+def _autocast(device: torch.device, precision: str) -> torch.autocast:
+    return torch.autocast(device.type, dtype=_AMP[precision], enabled=_AMP[precision] is not None)
+
+
 def make_step(module: torch.nn.Module, forward: Callable[[], Any], *, device: torch.device, precision: str,
               train: bool) -> tuple[Callable[[], Any], torch.optim.Optimizer | None]:
     """One call of the point and its optimizer: inference (``torch.inference_mode``; no optimizer) or a whole training
     step (forward, the mean of the output as loss, backward, ``torch.optim.AdamW`` step, gradients set to ``None``)."""
-    amp = _AMP[precision]
     module.train(train)
     if not train:
 
         def infer():
-            with torch.inference_mode(), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            with torch.inference_mode(), _autocast(device, precision):
                 return forward()
 
         return infer, None
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def step():
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        with _autocast(device, precision):
             out = forward()
             loss = (out[0] if isinstance(out, tuple) else out).float().mean()
         loss.backward()
@@ -145,16 +146,14 @@ def _measure_memory(spec: dict[str, Any], step: Callable[[], Any], kept: list, f
         method = "torch allocator (profiler memory events)" + ("; resident in rss_peak_mib" if how == "both" else "")
         out.update(alloc, peak_mib=alloc["torch_peak_mib"], memory_method=method)
     if train and spec.get("kind") == "model":
-        amp = _AMP[spec.get("dtype", "fp32")]
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        with _autocast(device, spec.get("dtype", "fp32")):
             out.update(memory.saved_for_backward(kept[0], forward, exclude=[kept[-1]]))
     return out
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Build, warm up, time and measure one point; never raises (failures are a ``status``)."""
-    result: dict[str, Any] = {"status": "ok"}
-    stage = "setup"
+    result, stage = {"status": "ok"}, "setup"
     try:
         device = torch.device(spec.get("device", "cpu"))
         _setup(spec, device)
@@ -184,8 +183,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result.update(_measure_memory(spec, step, [module, opt, x], forward, device, train))
     except Exception as exc:  # a point's failure is its result
         result["status"] = "oom" if is_oom(exc) else "error"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        result["error"] = f"{stage}: {type(exc).__name__}: {first}"
+        result["error"] = f"{stage}: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc()[-2000:]
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from ssogvit.outputs import write_text
 
@@ -63,14 +64,9 @@ def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: 
     t0 = time.perf_counter()
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(point, send), daemon=True)
-    env = dict(os.environ)
-    if launcher == "spawn" and point.get("threads"):
-        os.environ["OMP_NUM_THREADS"] = str(point["threads"])
-    try:
+    threads = {"OMP_NUM_THREADS": str(point["threads"])} if launcher == "spawn" and point.get("threads") else {}
+    with mock.patch.dict(os.environ, threads):  # the spawned interpreter's environment, restored after
         proc.start()
-    finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
-        os.environ.update({k: v for k, v in env.items() if k == "OMP_NUM_THREADS"})
     send.close()
     result = None
     timed_out = not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
@@ -95,11 +91,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     info: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu,
@@ -148,11 +141,9 @@ def read_results(path: str | Path) -> tuple[dict, list[dict]]:
 def merge_repeat(best: dict, new: dict) -> dict:
     """Fold a repeat of a point into its row: the fastest repeat's time fields, the lowest of each peak memory;
     ``repeat_times_ms`` and ``repeat_peaks_mib`` list every repeat (``None`` for one that failed)."""
-    ok = new.get("status") == "ok"
-    out = dict(best)
-    out["repeat_times_ms"] = best.get("repeat_times_ms", [best.get("time_ms")]) + [new.get("time_ms") if ok else None]
-    out["repeat_peaks_mib"] = best.get("repeat_peaks_mib", [best.get("peak_mib")]) + [
-        new.get("peak_mib") if ok else None]
+    ok, out = new.get("status") == "ok", dict(best)
+    for key, field in (("repeat_times_ms", "time_ms"), ("repeat_peaks_mib", "peak_mib")):
+        out[key] = best.get(key, [best.get(field)]) + [new.get(field) if ok else None]
     out["repeats"] = len(out["repeat_times_ms"])
     if not ok:
         return out
@@ -175,12 +166,10 @@ def describe(row: dict) -> str:
     return f"{head}: {timed}{mem}"
 
 
-def run_sweep(
-    points: Iterable[dict[str, Any]], *, out_dir: str | Path | None = None, name: str = "results",
-    meta: dict | None = None, timeout: float | None = None, skip_after_oom: bool = True,
-    launcher: str = "forkserver", log: Callable[[str], None] | None = None, repeats: int = 1,
-    repeat_below_ms: float | None = None,
-) -> list[dict]:
+def run_sweep(points: Iterable[dict[str, Any]], *, out_dir: str | Path | None = None, name: str = "results",
+              meta: dict | None = None, timeout: float | None = None, skip_after_oom: bool = True,
+              launcher: str = "forkserver", log: Callable[[str], None] | None = None, repeats: int = 1,
+              repeat_below_ms: float | None = None) -> list[dict]:
     """Run points one after another (a failure is a row; the sweep goes on), the files under ``out_dir`` rewritten
     after every point. With ``skip_after_oom`` a configuration that ran out of memory skips its larger batches. With
     ``repeats > 1`` the points whose first time is below ``repeat_below_ms`` (all if ``None``) run again in rounds,

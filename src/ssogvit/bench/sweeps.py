@@ -1,11 +1,9 @@
-"""The sweeps as points and tables (docs/benchmarks.md): a mixer alone (a registered name or ``"torch-mha"``, options
-after a colon: ``"ssog:impl=einsum"``) against attention at each resolution's token count, and whole models
-``"{family}-{size}-{mixer}"``, each compared with its family's baselines (the paper's first); power-law fits; tables
-and figures of the rows."""
+"""The sweeps (docs/benchmarks.md) as points, ratios to their baselines, power-law fits, tables and figures."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -13,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ssogvit.outputs import atomic_write
-from ssogvit.results import markdown_table, pyplot
+from ssogvit.results import markdown_table, pyplot, save_figure
 
 __all__ = [
     "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "cell", "compare", "default_mixers",
@@ -43,11 +40,8 @@ class PowerLaw:
 
 
 def fit_power_law(n: Sequence[float], y: Sequence[float]) -> PowerLaw:
-    """Fit ``y ~ coef * n^exponent`` to the positive pairs (missing or non-positive ``y`` are dropped).
-
-    Raises:
-        ValueError: fewer than two usable points, or all ``n`` equal.
-    """
+    """Fit ``y ~ coef * n^exponent`` to the positive pairs (missing or non-positive ``y`` dropped); ``ValueError``
+    with fewer than two usable points, or all ``n`` equal."""
     pairs = [(math.log(a), math.log(b)) for a, b in zip(n, y, strict=True) if a and b and a > 0 and b > 0]
     if len(pairs) < 2:
         raise ValueError(f"a power-law fit needs at least two positive points, got {len(pairs)}")
@@ -99,16 +93,9 @@ def expand_impls(mixers: Iterable[str], impls: Sequence[str] | None, device: str
 def operator_points(mixers: Sequence[str], *, dim: int, heads: int, resolutions: Sequence[int],
                     batches: Sequence[int], patch: int = 16, prefix: int = 1, **common: Any) -> list[dict[str, Any]]:
     """Points for ``run_sweep``: every mixer at every resolution and batch (square images, ``res // patch`` grid)."""
-    points = []
-    for res in resolutions:
-        g = res // patch
-        for batch in batches:
-            for m in mixers:
-                name, options, label = parse_mixer(m)
-                points.append(dict(kind="operator", label=label, mixer=name, mixer_options=options, dim=dim,
-                                   heads=heads, res=res, grid=[g, g], prefix=prefix, tokens=prefix + g * g,
-                                   batch=batch, **common))
-    return points
+    return [dict(kind="operator", label=label, mixer=name, mixer_options=options, dim=dim, heads=heads, res=res,
+                 grid=[res // patch] * 2, prefix=prefix, tokens=prefix + (res // patch) ** 2, batch=batch, **common)
+            for res in resolutions for batch in batches for name, options, label in map(parse_mixer, mixers)]
 
 
 def default_mixers(family: str) -> list[str]:
@@ -139,9 +126,8 @@ def _ok(r: dict) -> bool:
 
 
 def compare(r: dict, b: dict | None, speed: str) -> dict[str, float]:
-    """``r``'s ``speedup`` over its baseline ``b`` (by ``speed``: ``"time_ms"`` or ``"images_per_s"``),
-    ``memory_ratio`` (peak over the baseline's), ``flop_bound`` (the baseline's FLOPs over these: the speed-up
-    perfect implementations of both would show) and ``of_bound`` (the fraction of it reached)."""
+    """``r``'s ``speedup`` over its baseline ``b`` (by ``"time_ms"`` or ``"images_per_s"``), ``memory_ratio``,
+    ``flop_bound`` (the baseline's FLOPs over these) and ``of_bound`` (the fraction of it reached)."""
     out: dict[str, float] = {}
     if b is None or not _ok(r):
         return out
@@ -169,10 +155,8 @@ def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[
         series.setdefault((r["label"], r["batch"]), []).append((r["tokens"], r[metric]))
     fits = {}
     for key, pts in series.items():
-        try:
+        with contextlib.suppress(ValueError):
             fits[key] = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
-        except ValueError:
-            continue
     return fits
 
 
@@ -253,8 +237,8 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
         lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
                               cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
                               times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
-    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s", "ms / batch", "peak MiB", "GFLOPs / img",
-                   "speed-up", "FLOP bound", "memory saved"], lines)
+    return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s",
+                           "ms / batch", "peak MiB", "GFLOPs / img", "speed-up", "FLOP bound", "memory saved"], lines)
 
 
 def format_saved_table(rows: Sequence[dict]) -> str:
@@ -284,8 +268,12 @@ _STYLES = ["-", "--", ":", "-."]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
-def _style(i: int, j: int = 0) -> dict:
-    return dict(marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
+def _line(ax, pts: Sequence[tuple], k: int, label: str, i: int, j: int = 0, scale: float = 1.0) -> None:
+    """Draw column ``k`` (times ``scale``) of ``pts`` against column 0, where it is not ``None``."""
+    pts = [p for p in pts if p[k] is not None]
+    if pts:
+        ax.plot([p[0] for p in pts], [scale * p[k] for p in pts], label=label, marker=_MARKERS[i % len(_MARKERS)],
+                linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
 
 
 def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
@@ -294,9 +282,7 @@ def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
         if ax.get_legend_handles_labels()[0]:  # a time-only run (--no-memory) draws no memory lines
             ax.legend(fontsize=fontsize)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110), overwrite=True)
-    pyplot().close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha") -> Path | None:
@@ -308,17 +294,15 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     batches = sorted({r["batch"] for r in table})
     modes = {_mode(r) for r in table}
-    for i, key in enumerate(dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)):
+    keys = dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)
+    for i, key in enumerate(keys):
         for j, b in enumerate(batches):
             pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
                          if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key and r["batch"] == b)
-            if pts:
-                label = (f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
-                         + (f", batch {b}" if len(batches) > 1 else ""))
-                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **_style(i, j))
-                mem = [(p[0], 100 * p[2]) for p in pts if p[2] is not None]
-                if mem:
-                    ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=label, **_style(i, j))
+            label = (f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
+                     + (f", batch {b}" if len(batches) > 1 else ""))
+            _line(ax_t, pts, 1, label, i, j)
+            _line(ax_m, pts, 2, label, i, j, 100)
     ax_t.axhline(1.0, color="grey", lw=0.8)
     ax_m.axhline(0.0, color="grey", lw=0.8)
     ax_t.set(xlabel="resolution (px)", ylabel="throughput / baseline throughput", title="Relative throughput")
@@ -340,11 +324,8 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
             for j, b in enumerate(batches):
                 pts = sorted((r["res"], r.get("images_per_s"), r.get("peak_mib")) for r in ok
                              if (r["family"], r["size"], _mode(r)) == fam and r["mixer"] == mixer and r["batch"] == b)
-                for ax, k in ((axes[0][c], 1), (axes[1][c], 2)):
-                    drawn = [p for p in pts if p[k] is not None]
-                    if drawn:
-                        ax.plot([p[0] for p in drawn], [p[k] for p in drawn],
-                                label=f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}", **_style(i, j))
+                for k in (1, 2):
+                    _line(axes[k - 1][c], pts, k, f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}", i, j)
         axes[0][c].set(title=f"{fam[0]}-{fam[1]}, {fam[2]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
                        yscale="log")
         axes[1][c].set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")

@@ -130,7 +130,8 @@ class NeighborhoodAttention(LocalAttention):
             return t.permute(0, 1, 2, 4, 3, 5, 6).reshape(b * h, nty * ntx, ly * lx, dh)
 
         kt, vt = halo(k), halo(v)
-        mask = _tile_mask(gh, kh, ty, hy)[:, None, :, None, :, None] & _tile_mask(gw, kw, tx, hx)[None, :, None, :, None, :]
+        my, mx = _tile_mask(gh, kh, ty, hy), _tile_mask(gw, kw, tx, hx)  # (tiles, tile, halo) per axis
+        mask = my[:, None, :, None, :, None] & mx[None, :, None, :, None, :]
         mask = mask.reshape(1, nty * ntx, ty * tx, ly * lx)
         if p:
             kt = torch.cat([self._prefix_keys(k, p, nty * ntx).transpose(1, 2).reshape(b * h, nty * ntx, p, dh), kt], 2)

@@ -23,8 +23,9 @@ class WindowAttention(LocalAttention):
     """Multi-head attention within ``window_size x window_size`` windows of the patch grid.
 
     Windows tile the grid from its top-left corner (ViTDet's window blocks); with ``shift_size = s`` the tiling starts
-    ``s`` cells before the grid, so windows straddle the unshifted ones (Swin's shifted windows; alternate blocks of
-    ``0`` and ``window_size // 2`` in a model, or use a ViT's ``global_blocks``). Computed as Swin does: the grid is
+    ``s`` cells before the grid, so windows straddle the unshifted ones (Swin's shifted windows, which Swin alternates
+    with unshifted ones block by block; ``create_model`` gives every block the same options, so a model of ours is
+    all shifted or all unshifted, and mixes across windows through a ViT's ``global_blocks``). Computed as Swin does: the grid is
     padded at the bottom and right to whole windows, cyclically shifted by ``-s``, cut into windows, and a mask keeps
     each window's attention inside the cells that are neighbours on the unshifted grid and off the padding (padded
     cells are never attended to, so a grid that windows do not divide gives the same result as cutting the windows at
@@ -125,10 +126,12 @@ class WindowAttention(LocalAttention):
         return (same & valid[:, None, :]) | ~valid[:, :, None]
 
     def flops(self, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, int]:
-        """FLOPs of one image: every cell of the padded windows a query of ``wh * ww`` keys (``ssogvit.bench.flops``)."""
+        """FLOPs of one image: every cell of the padded windows a query of ``wh * ww`` keys
+        (``ssogvit.bench.flops``)."""
         (wh, ww), _ = self.windows(grid)
         cells = -(-grid[0] // wh) * wh * -(-grid[1] // ww) * ww
         return self._core_flops(cells, wh * ww, grid, num_prefix_tokens)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, shift_size={self.shift_size}"
+        return (f"dim={self.dim}, num_heads={self.num_heads}, window_size={self.window_size}, "
+                f"shift_size={self.shift_size}")
