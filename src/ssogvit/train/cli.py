@@ -116,29 +116,22 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
     """
     import torch
     import torch.nn.functional as F
-    from tqdm import tqdm
 
     from .losses import topk_correct
     from .module import TOPK
-    from .progress import lines_every, resolve_mode
+    from .progress import evaluation_batches, resolve_mode
 
-    mode = resolve_mode(progress)
     model = model.to(device).eval()
     totals = {k: 0 for k in TOPK}
     loss_sum, n = 0.0, 0
-    loader = dm.val_dataloader()
-    every = lines_every(len(loader))
-    with torch.inference_mode():
-        for i, (x, y) in enumerate(tqdm(loader, desc="eval", disable=mode != "bar", leave=False), 1):
-            x, y = x.to(device), y.to(device)
-            logits = model(x)
-            loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-            for k, c in topk_correct(logits, y, TOPK).items():
-                totals[k] += int(c)
-            n += len(y)
-            if mode == "lines" and (i % every == 0 or i == len(loader)):
-                print(f"eval: batch {i}/{len(loader)}, {n} images, top-1 so far {100.0 * totals[1] / n:.2f}%",
-                      flush=True)
+    for i, total, y, logits, line in evaluation_batches(model, dm.val_dataloader(), device=device,
+                                                        mode=resolve_mode(progress)):
+        loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+        for k, c in topk_correct(logits, y, TOPK).items():
+            totals[k] += int(c)
+        n += len(y)
+        if line:
+            print(f"eval: batch {i}/{total}, {n} images, top-1 so far {100.0 * totals[1] / n:.2f}%", flush=True)
     out = {f"top{k}": 100.0 * totals[k] / max(n, 1) for k in TOPK}
     out.update(loss=loss_sum / max(n, 1), images=n)
     return out

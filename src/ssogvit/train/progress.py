@@ -90,3 +90,17 @@ class LineProgress(Callback):
                    and (self._validated or not k.startswith("val"))}  # no stale validation metrics
         self._print(trainer, f"{self._epoch(trainer)}  step {trainer.global_step}  {format_metrics(metrics)}  "
                              f"({time.perf_counter() - self._epoch_start:.1f} s)")
+
+
+def evaluation_batches(model: Any, loader: Any, *, device: Any, mode: str):
+    """The validation loop of ``ssogvit eval``, shared by every task: for each batch of ``loader``, in inference mode,
+    ``(index from 1, number of batches, targets, logits, whether a progress line is due)``; the bar is drawn when
+    ``mode`` is ``bar`` (``resolve_mode``)."""
+    import torch
+    from tqdm import tqdm
+
+    every = lines_every(len(loader))
+    with torch.inference_mode():
+        for i, (x, y) in enumerate(tqdm(loader, desc="eval", disable=mode != "bar", leave=False), 1):
+            y = y.to(device)
+            yield i, len(loader), y, model(x.to(device)), mode == "lines" and (i % every == 0 or i == len(loader))

@@ -95,28 +95,21 @@ class SegmentationModule(ClassificationModule):
 
 def evaluate_segmentation(model: nn.Module, dm: Any, *, device: str = "cpu", progress: str = "auto") -> dict[str, Any]:
     """mIoU and pixel accuracy (%) and the mean per-pixel cross-entropy of `model` on `dm`'s validation scenes."""
-    from tqdm import tqdm
+    from .progress import evaluation_batches, resolve_mode
 
-    from .progress import lines_every, resolve_mode
-
-    mode = resolve_mode(progress)
     model = model.to(device).eval()
     ignore = int(getattr(dm, "ignore_index", -100))
     metrics = segmentation_metrics(int(model.num_classes), ignore).to(device)
     loss_sum, pixels, n = 0.0, 0, 0
-    loader = dm.val_dataloader()
-    every = lines_every(len(loader))
-    with torch.inference_mode():
-        for i, (x, y) in enumerate(tqdm(loader, desc="eval", disable=mode != "bar", leave=False), 1):
-            x, y = x.to(device), y.to(device)
-            logits = model(x)
-            loss_sum += float(F.cross_entropy(logits.float(), y, ignore_index=ignore, reduction="sum"))
-            pixels += int((y != ignore).sum())
-            for metric in metrics.values():
-                metric.update(logits, y)
-            n += len(y)
-            if mode == "lines" and (i % every == 0 or i == len(loader)):
-                print(f"eval: batch {i}/{len(loader)}, {n} images", flush=True)
+    for i, total, y, logits, line in evaluation_batches(model, dm.val_dataloader(), device=device,
+                                                        mode=resolve_mode(progress)):
+        loss_sum += float(F.cross_entropy(logits.float(), y, ignore_index=ignore, reduction="sum"))
+        pixels += int((y != ignore).sum())
+        for metric in metrics.values():
+            metric.update(logits, y)
+        n += len(y)
+        if line:
+            print(f"eval: batch {i}/{total}, {n} images", flush=True)
     out: dict[str, Any] = {name: float(metric.compute()) for name, metric in metrics.items()}
     out.update(loss=loss_sum / max(pixels, 1), images=n)
     return out
