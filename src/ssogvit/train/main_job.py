@@ -174,13 +174,20 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     """A comma-separated choice of `allowed` names (`ssogvit.inputs.Choice` each), in the order given, each once."""
     from ssogvit.inputs import Choice, InputError
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in allowed]
-    if not names or unknown:
-        problem = f"unknown {what.rstrip('s')} {unknown[0]!r}" if unknown else "no name given"
-        raise InputError(f"--{what} {text!r}: {problem}; expected a comma-separated list from {', '.join(allowed)}",
-                         argument=f"--{what}")
-    return list(dict.fromkeys(Choice(tuple(allowed)).check(n, f"--{what}") for n in names))
+    def refuse(problem: str) -> InputError:
+        return InputError(f"--{what} {text!r}: {problem}; expected a comma-separated list from {', '.join(allowed)}",
+                          argument=f"--{what}")
+
+    names, choice = [n.strip() for n in text.split(",") if n.strip()], Choice(tuple(allowed))
+    if not names:
+        raise refuse("no name given")
+    checked = []
+    for name in names:
+        try:
+            checked.append(choice.check(name, f"--{what}"))
+        except InputError:
+            raise refuse(f"unknown {what.rstrip('s')} {name!r}") from None
+    return list(dict.fromkeys(checked))
 
 
 def main(argv: list[str]) -> int:
