@@ -27,6 +27,15 @@
 #include <xmmintrin.h>
 #endif
 
+/* glibc's vector exp (libmvec, reached through libm) for the kernel's exp loops. Its header declares the vector
+ * variants under __FAST_MATH__ only, which -fno-finite-math-only (backends/cpu.py) leaves undefined; without them every
+ * exp is a scalar call and the steered mixing takes twice as long. The vector variants give IEEE results for NaN and
+ * infinities, as the scalar ones do. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__FAST_MATH__)
+__attribute__((__simd__("notinbranch"))) float expf(float);
+__attribute__((__simd__("notinbranch"))) double exp(double);
+#endif
+
 /* Each thread flushes denormal results to zero while it works (MXCSR's FTZ bit, restored at the end; x86 only): a
  * kernel entry just above the smallest normal number times a value below 1 is a denormal product, and an FMA that
  * makes one runs several times slower (the fixed mixing at 512 px took 2x as long). Such a product is below 1e-38,
@@ -66,52 +75,6 @@ static inline void ftz_leave(unsigned csr) {
         ftz_leave(csr);                                                                                               \
     }
 
-/* The R rows of `count` queries, rows n long, one query after the other in `o`: query c has the index qi + c * dq,
- * its rows' mu and s start at c * qs and lie `es` elements apart, and its weights lam (if any) start at c * lqs. */
-#define SSOG_QUERY_ROWS(NAME, T, EXP, HUGE, TINY, LOW)                                                                \
-    static inline void NAME(T *o, const T *mu, const T *s, const T *lam, int64_t es, int64_t qs, int64_t lqs,         \
-                            int64_t count, int qi, int dq, int n, int64_t r) {                                        \
-        int64_t block = count * r * n;                                                                                \
-        for (int64_t c = 0; c < count; ++c) {                                                                         \
-            int q = qi + (int)c * dq;                                                                                 \
-            for (int64_t ri = 0; ri < r; ++ri) { /* logits minus the row's largest, as the softmax does */            \
-                T centre = mu[c * qs + ri * es], sc = s[c * qs + ri * es], top = -HUGE;                               \
-                T *row = o + (c * r + ri) * n;                                                                        \
-                for (int j = 0; j < n; ++j) { /* int: AVX2 converts 32-bit ints to floats, not 64-bit ones */         \
-                    T z = ((T)(j - q) - centre) * sc, logit = -(z * z);                                               \
-                    row[j] = logit;                                                                                   \
-                    top = logit > top ? logit : top;                                                                  \
-                }                                                                                                     \
-                for (int j = 0; j < n; ++j)                                                                           \
-                    row[j] -= top;                                                                                    \
-            }                                                                                                         \
-        }                                                                                                             \
-        /* exp over all rows at once (long vectors); arguments below LOW, whose exp is below the type's smallest      \
-           normal number, are clamped into exp's fast range and then zeroed (a NaN stays NaN: no fmax here) */        \
-        for (int64_t j = 0; j < block; ++j) {                                                                         \
-            T x = o[j], e = EXP(x < LOW ? LOW : x);                                                                   \
-            o[j] = x < LOW ? (T)0 : e;                                                                                \
-        }                                                                                                             \
-        for (int64_t c = 0; c < count; ++c) {                                                                         \
-            for (int64_t ri = 0; ri < r; ++ri) { /* normalise, flush, weight, flush */                                \
-                T *row = o + (c * r + ri) * n, sum = 0, w = lam ? lam[c * lqs + ri] : (T)1;                           \
-                for (int j = 0; j < n; ++j)                                                                           \
-                    sum += row[j];                                                                                    \
-                T inv = (T)1 / sum;                                                                                   \
-                for (int j = 0; j < n; ++j) {                                                                         \
-                    T v = row[j] * inv;                                                                               \
-                    v = (v <= TINY ? (T)0 : v) * w;                                                                   \
-                    row[j] = v <= TINY ? (T)0 : v;                                                                    \
-                }                                                                                                     \
-            }                                                                                                         \
-        }                                                                                                             \
-    }
-
-/* c[i, :dh] (+)= sum_j a[i, j] b[j, :dh] for i < m, j < kk (a[i, j] at a + i lda + j acs; rows of b and c ldb, ldc
- * apart; added to c when `add`): both passes of the mixing and of its backward. Tiles
- * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
- * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
- * only its own. */
 /* The register vectors of the products: 64 bytes where the flags allow AVX-512 (backends/cpu.py passes them on such
  * CPUs), 32 bytes (AVX2, or pairs of narrower registers) elsewhere. */
 #ifdef __AVX512F__
@@ -121,7 +84,79 @@ static inline void ftz_leave(unsigned csr) {
 #endif
 typedef float f32_vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(float))));
 typedef double f64_vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(double))));
+typedef int32_t f32_mask __attribute__((vector_size(VEC_BYTES))); /* a lane's comparison result: all ones or zeros */
+typedef int64_t f64_mask __attribute__((vector_size(VEC_BYTES)));
+typedef int32_t f32_ints __attribute__((vector_size(VEC_BYTES))); /* one 32-bit int per lane */
+typedef int32_t f64_ints __attribute__((vector_size(VEC_BYTES / 2)));
 
+/* Queries padded to whole vectors: 16 lanes (AVX-512's floats, two vectors of anything narrower). */
+#define SSOG_LANES(count) (((count) + 15) / 16 * 16)
+
+/* The R kernel rows of `count` queries, n positions each, laid out with the queries along the vector lanes: the
+ * entry of atom ri, position j and query c at o[(ri * n + j) * cp + c], cp = SSOG_LANES(count) (lanes past `count`
+ * repeat the last query and are never read). Query c has the index qi + c * dq, its rows' mu and s start at c * qs
+ * and lie `es` elements apart, and its weights lam (if any) start at c * lqs. Every step runs lane-wise over a vector
+ * of queries: a grid side (14 at 224 px) is shorter than one vector, so along a row the loops, the largest logit and
+ * the sum would be mostly masked lanes and horizontal reductions. */
+#define SSOG_QUERY_ROWS(NAME, T, VEC, MASK, INTS, EXP, HUGE, TINY, LOW)                                               \
+    static inline void NAME(T *o, const T *mu, const T *s, const T *lam, int64_t es, int64_t qs, int64_t lqs,         \
+                            int64_t count, int qi, int dq, int n, int64_t r) {                                        \
+        typedef VEC vec;                                                                                              \
+        typedef MASK mask; /* selections are bitwise, by comparison masks */                                          \
+        typedef INTS ints;                                                                                            \
+        enum { L = VEC_BYTES / sizeof(T) };                                                                           \
+        int64_t cp = SSOG_LANES(count), block = r * n * cp;                                                           \
+        const vec one = (vec){0} + 1;                                                                                 \
+        for (int64_t c0 = 0; c0 < cp; c0 += L)                                                                        \
+            for (int64_t ri = 0; ri < r; ++ri) { /* logits minus each row's largest, as the softmax does */           \
+                vec centre, sc, top;                                                                                  \
+                ints q;                                                                                               \
+                for (int l = 0; l < L; ++l) {                                                                         \
+                    int64_t c = c0 + l < count ? c0 + l : count - 1;                                                  \
+                    q[l] = qi + (int)c * dq, centre[l] = mu[c * qs + ri * es], sc[l] = s[c * qs + ri * es];           \
+                    top[l] = -HUGE;                                                                                   \
+                }                                                                                                     \
+                T *blk = o + ri * n * cp + c0;                                                                        \
+                for (int j = 0; j < n; ++j) { /* the int offset, converted: exact, and -ffast-math cannot regroup */ \
+                    vec z = (__builtin_convertvector(j - q, vec) - centre) * sc, logit = -(z * z);                    \
+                    mask up = logit > top; /* false for a NaN, which then stays in its entry */                       \
+                    *(vec *)(blk + j * cp) = logit;                                                                   \
+                    top = (vec)(((mask)logit & up) | ((mask)top & ~up));                                              \
+                }                                                                                                     \
+                for (int j = 0; j < n; ++j) { /* below LOW, whose exp is below the smallest normal number: 1 */      \
+                    vec x = *(vec *)(blk + j * cp) - top;                                                             \
+                    mask low = x < LOW;                                                                               \
+                    *(vec *)(blk + j * cp) = (vec)(((mask)x & ~low) | ((mask)one & low));                             \
+                }                                                                                                     \
+            }                                                                                                         \
+        /* exp over all rows at once, a vector at a time (so that no scalar exp peels off for alignment); the marked  \
+           entries, the only positive ones, are zero. Every argument is in the vector exp's fast range (past it, it  \
+           takes a scalar path), but NaN, which stays NaN. */                                                         \
+        for (int64_t j0 = 0; j0 < block; j0 += L)                                                                     \
+            for (int l = 0; l < L; ++l)                                                                               \
+                o[j0 + l] = o[j0 + l] > 0 ? (T)0 : EXP(o[j0 + l]);                                                    \
+        for (int64_t c0 = 0; c0 < cp; c0 += L)                                                                        \
+            for (int64_t ri = 0; ri < r; ++ri) { /* normalise, flush, weight, flush */                                \
+                vec sum = {0}, w;                                                                                     \
+                T *blk = o + ri * n * cp + c0;                                                                        \
+                for (int l = 0; l < L; ++l)                                                                           \
+                    w[l] = lam ? lam[(c0 + l < count ? c0 + l : count - 1) * lqs + ri] : (T)1;                        \
+                for (int j = 0; j < n; ++j)                                                                           \
+                    sum += *(vec *)(blk + j * cp);                                                                    \
+                vec inv = (T)1 / sum;                                                                                 \
+                for (int j = 0; j < n; ++j) {                                                                         \
+                    vec x = *(vec *)(blk + j * cp) * inv;                                                             \
+                    x = (vec)((mask)x & ~(mask)(x <= TINY)) * w;                                                      \
+                    *(vec *)(blk + j * cp) = (vec)((mask)x & ~(mask)(x <= TINY));                                     \
+                }                                                                                                     \
+            }                                                                                                         \
+    }
+
+/* c[i, :dh] (+)= sum_j a[i, j] b[j, :dh] for i < m, j < kk (a[i, j] at a + i lda + j acs; rows of b and c ldb, ldc
+ * apart; added to c when `add`): both passes of the mixing and of its backward. Tiles
+ * of 4 rows by two 32-byte vectors stay in registers while the b[j] go by (GCC's vector extension: AVX2 registers
+ * where the flags allow it, pairs of narrower ones elsewhere); a tile of fewer rows repeats its last row and stores
+ * only its own. */
 #define SSOG_GEMM(NAME, T, VEC)                                                                                       \
     static inline void NAME(T *c, int64_t ldc, const T *a, int64_t lda, int64_t acs, const T *b, int64_t ldb,         \
                             int64_t m, int64_t kk, int64_t dh, int add) {                                             \
@@ -178,7 +213,7 @@ typedef double f64_vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(dou
  * ssog_mix_work(...) numbers for each of `threads` threads (allocated by the caller, so that PyTorch's allocator
  * counts them). */
 int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
-    return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * gw;
+    return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * SSOG_LANES(gw);
 }
 
 #define SSOG_MIX(NAME, ROWS, GEMM, T)                                                                                 \
@@ -197,20 +232,20 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
             for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
-                /* column pass, U[:, k] for each column k: the y-rows of the tokens (iy, k) (steered: built here;     \
-                   fixed: row iy of the field's table, atoms Gh * Gh apart) */                                        \
-                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                                \
-                const T *rows_y = ky ? ky + (h * r * gh + iy) * gh : tab;                                             \
+                /* column pass, U[:, k] for each column k: the y-rows of the tokens (iy, k) (steered: built here,     \
+                   the tokens along the lanes, cp apart; fixed: row iy of the field's table, atoms Gh * Gh apart) */  \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r, cp = SSOG_LANES(gw); /* token (iy, 0) */           \
                 if (!ky)                                                                                              \
                     ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);        \
                 for (int64_t k = 0; k < gw; ++k)                                                                      \
-                    GEMM(u + k * dh, gw * dh, ky ? rows_y : rows_y + k * r * gh, ky ? gh * gh : gh, 1,                \
-                         cols + k * gh * dh, dh, r, gh, dh, 0);                                                       \
+                    GEMM(u + k * dh, gw * dh, ky ? ky + (h * r * gh + iy) * gh : tab + k, ky ? gh * gh : gh * cp,     \
+                         ky ? 1 : cp, cols + k * gh * dh, dh, r, gh, dh, 0);                                          \
                 /* row pass: the weighted x-rows of the queries (iy, ix) */                                           \
                 if (!ky)                                                                                              \
                     ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1,       \
                          (int)gw, r);                                                                                 \
-                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, r * gw, 1, u, dh, gw, r * gw, dh, 0); \
+                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, ky ? r * gw : 1, ky ? 1 : cp, u, dh,  \
+                     gw, r * gw, dh, 0);                                                                              \
             }                                                                                                         \
             T *ob = out + bi * o_sb + p * o_st + h * dh;                                                              \
             for (int64_t t = 0; t < n; ++t)                                                                           \
@@ -291,16 +326,16 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                 c[i * ldc + j] = add ? c[i * ldc + j] + ct[i * p + j] : ct[i * p + j];                                \
     }
 
-/* Backward of one kernel row K = softmax_j(-(d_j s)^2), d_j = (j - q) - mu, given g = dL/dK: with
- * t_j = K_j (g_j - sum_i K_i g_i) d_j, dL/dmu = 2 s^2 sum_j t_j and dL/ds = -2 s sum_j t_j d_j (the arithmetic of
- * backends._common.gaussian_rows_grad; flushed entries are zero in K and pass nothing). */
+/* Backward of one kernel row K = softmax_j(-(d_j s)^2), d_j = (j - q) - mu, given g = dL/dK (K's entries `ks` apart,
+ * g's contiguous): with t_j = K_j (g_j - sum_i K_i g_i) d_j, dL/dmu = 2 s^2 sum_j t_j and dL/ds = -2 s sum_j t_j d_j
+ * (the arithmetic of backends._common.gaussian_rows_grad; flushed entries are zero in K and pass nothing). */
 #define SSOG_ROW_GRAD(NAME, T)                                                                                        \
-    static inline void NAME(const T *k, const T *g, int q, int n, T mu, T s, T *g_mu, T *g_s) {                       \
+    static inline void NAME(const T *k, int64_t ks, const T *g, int q, int n, T mu, T s, T *g_mu, T *g_s) {           \
         T dot = 0, sm = 0, ss = 0;                                                                                    \
         for (int j = 0; j < n; ++j)                                                                                   \
-            dot += k[j] * g[j];                                                                                       \
+            dot += k[j * ks] * g[j];                                                                                  \
         for (int j = 0; j < n; ++j) {                                                                                 \
-            T d = (T)(j - q) - mu, t = k[j] * (g[j] - dot) * d;                                                       \
+            T d = (T)(j - q) - mu, t = k[j * ks] * (g[j] - dot) * d;                                                  \
             sm += t;                                                                                                  \
             ss += t * d;                                                                                              \
         }                                                                                                             \
@@ -309,67 +344,98 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     }
 
 /* Gradients of the steered mixing (docs/operator.md, "Backward"), one (image, head) at a time, each row of queries
- * recomputing its tables and U: with W = lam K^x and G = dL/dout, dL/dW = G U^T, dL/dU = W^T G,
- * dL/dlam = sum_k dL/dW K^x, dL/dK^x = lam dL/dW, dL/dK^y = dL/dU V^T, dL/dV = K^y^T dL/dU. Arguments as in
- * ssog_mix_*, plus g (dL/dout, rows `g_st` and images `g_sb` apart), gv (dL/dV of the patch rows, written; rows
- * `gv_st`, images `gv_sb` apart) and g_mu, g_s, g_lam (shaped as mu, s, lam, written); `work`:
- * ssog_mix_grad_work(...) numbers per thread. */
+ * recomputing its tables (laid out as SSOG_QUERY_ROWS builds them) and U: with W = lam K^x and G = dL/dout,
+ * dL/dW = G U^T, dL/dU = W^T G, dL/dlam = sum_k dL/dW K^x, dL/dK^x = lam dL/dW, dL/dK^y = dL/dU V^T,
+ * dL/dV = K^y^T dL/dU. Arguments as in ssog_mix_*, plus g (dL/dout, rows `g_st` and images `g_sb` apart), gv (dL/dV
+ * of the patch rows, written; rows `gv_st`, images `gv_sb` apart) and g_mu, g_s, g_lam (shaped as mu, s, lam,
+ * written); `work`: ssog_mix_grad_work(...) numbers per thread. */
 int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
-    return 2 * gh * gw * dh + 2 * r * gw * dh + gw * dh + r * gw * gh * 2 + r * gw * gw * 3 +
-           SSOG_BT_SCRATCH(gw > r ? gw : r, r * gw > gh ? r * gw : gh, dh);
+    int64_t rg = r * gw, cp = SSOG_LANES(gw), py = SSOG_LANES(gh);
+    return 2 * gh * gw * dh + gw * dh * py + 2 * rg * dh + gw * dh + r * gh * cp + r * py + 3 * rg * cp +
+           SSOG_BT_SCRATCH(rg, gw, dh);
 }
 
-#define SSOG_MIX_GRAD(NAME, ROWS, GEMM, GEMM_BT, ROW_GRAD, T, TINY)                                                   \
+#define SSOG_MIX_GRAD(NAME, ROWS, GEMM, GEMM_BT, ROW_GRAD, T, VEC, INTS, TINY)                                        \
     void NAME(const T *v, const T *g, T *gv, const T *mu, const T *s, const T *lam, T *g_mu, T *g_s, T *g_lam,        \
               T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st,            \
               int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r,              \
               int64_t dh) {                                                                                           \
         int64_t n = gh * gw, units = b * heads, size = ssog_mix_grad_work(gh, gw, r, dh), rg = r * gw;                \
-        int64_t macs = 3 * n * r * (gh + gw) * dh;                                                                    \
+        int64_t cp = SSOG_LANES(gw), py = SSOG_LANES(gh), qs = heads * r, macs = 3 * n * r * (gh + gw) * dh;          \
+        typedef VEC vec;                                                                                              \
+        typedef INTS ints;                                                                                            \
+        enum { L = VEC_BYTES / sizeof(T) };                                                                           \
         SSOG_UNITS_BEGIN                                                                                              \
             int64_t bi = unit / heads, h = unit % heads;                                                              \
-            T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *u = gcols + n * dh;                \
-            T *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh, *gky = ky + rg * gh, *kx = gky + rg * gh;    \
-            T *w = kx + rg * gw, *gw_ = w + rg * gw, *scratch = gw_ + rg * gw;                                        \
+            /* the head's values column by column, and each column transposed (dh rows of py, zero-padded) */         \
+            T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *colt = gcols + n * dh;             \
+            T *u = colt + gw * dh * py, *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh;                    \
+            T *gky = ky + r * gh * cp, *kx = gky + r * py, *w = kx + rg * cp, *gwq = w + rg * cp;                     \
+            T *scratch = gwq + rg * cp;                                                                               \
             const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;                 \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
+            memset(colt, 0, sizeof(T) * gw * dh * py);                                                                \
+            for (int64_t k = 0; k < gw; ++k)                                                                          \
+                for (int64_t jy = 0; jy < gh; ++jy)                                                                   \
+                    for (int64_t d = 0; d < dh; ++d)                                                                  \
+                        colt[(k * dh + d) * py + jy] = cols[(k * gh + jy) * dh + d];                                  \
             memset(gcols, 0, sizeof(T) * n * dh);                                                                     \
             for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
-                int64_t gi = ((bi * n + iy * gw) * heads + h) * r, qs = heads * r; /* token (iy, 0); per token */     \
+                int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                                \
                 ROWS(ky, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * qs, 0, gw, (int)iy, 0, (int)gh, r);                    \
                 for (int64_t k = 0; k < gw; ++k)                                                                      \
-                    GEMM(u + k * dh, gw * dh, ky + k * r * gh, gh, 1, cols + k * gh * dh, dh, r, gh, dh, 0);          \
+                    GEMM(u + k * dh, gw * dh, ky + k, gh * cp, cp, cols + k * gh * dh, dh, r, gh, dh, 0);             \
                 ROWS(kx, mu + 2 * gi + 1, s + 2 * gi + 1, NULL, 2, 2 * qs, 0, gw, 0, 1, (int)gw, r);                  \
-                for (int64_t ix = 0; ix < gw; ++ix)                                                                   \
-                    for (int64_t j = 0; j < rg; ++j) {                                                                \
-                        T x = kx[ix * rg + j] * lam[gi + ix * qs + j / gw];                                           \
-                        w[ix * rg + j] = x <= TINY ? (T)0 : x;                                                        \
-                    }                                                                                                 \
+                for (int64_t ri = 0; ri < r; ++ri) /* W = lam K^x, flushed */                                         \
+                    for (int64_t k = 0; k < gw; ++k)                                                                  \
+                        for (int64_t ix = 0; ix < gw; ++ix) {                                                         \
+                            T x = kx[(ri * gw + k) * cp + ix] * lam[gi + ix * qs + ri];                               \
+                            w[(ri * gw + k) * cp + ix] = x <= TINY ? (T)0 : x;                                        \
+                        }                                                                                             \
                 for (int64_t ix = 0; ix < gw; ++ix)                                                                   \
                     memcpy(gq + ix * dh, gb + (iy * gw + ix) * g_st, sizeof(T) * dh);                                 \
-                GEMM_BT(gw_, rg, gq, dh, u, dh, gw, rg, dh, 0, scratch);  /* dL/dW (gw, R Gw) */                      \
-                GEMM(gu, dh, w, 1, rg, gq, dh, rg, gw, dh, 0);             /* dL/dU = W^T G (R Gw, dh) */             \
-                for (int64_t ix = 0; ix < gw; ++ix)  /* the queries (iy, ix): their weights and x-rows */             \
-                    for (int64_t ri = 0; ri < r; ++ri) {                                                              \
-                        int64_t at = gi + ix * qs + ri;                                                               \
-                        T *gk = gw_ + ix * rg + ri * gw, *kr = kx + ix * rg + ri * gw, gl = 0;                        \
-                        for (int64_t k = 0; k < gw; ++k) {                                                            \
-                            gl += gk[k] * kr[k];                                                                      \
-                            gk[k] *= lam[at];                                                                         \
+                GEMM_BT(gwq, cp, u, dh, gq, dh, rg, gw, dh, 0, scratch); /* dL/dW, laid out as W */                   \
+                GEMM(gu, dh, w, cp, 1, gq, dh, rg, gw, dh, 0);           /* dL/dU = W^T G (R Gw, dh) */               \
+                for (int64_t ri = 0; ri < r; ++ri) /* the queries (iy, ix), a vector at a time: weights, x-rows */    \
+                    for (int64_t c0 = 0; c0 < cp; c0 += L) {                                                          \
+                        vec lv, mv, sv, gl = {0}, dot = {0}, sm = {0}, ss = {0};                                      \
+                        ints q;                                                                                       \
+                        for (int l = 0; l < L; ++l) {                                                                 \
+                            int64_t at = gi + (c0 + l < gw ? c0 + l : gw - 1) * qs + ri;                              \
+                            q[l] = (int)(c0 + l), lv[l] = lam[at], mv[l] = mu[2 * at + 1], sv[l] = s[2 * at + 1];     \
                         }                                                                                             \
-                        g_lam[at] = gl;                                                                               \
-                        ROW_GRAD(kr, gk, (int)ix, (int)gw, mu[2 * at + 1], s[2 * at + 1], g_mu + 2 * at + 1,          \
-                                 g_s + 2 * at + 1);                                                                   \
+                        const T *kr = kx + ri * gw * cp + c0;                                                         \
+                        T *gk = gwq + ri * gw * cp + c0;                                                              \
+                        for (int64_t k = 0; k < gw; ++k) { /* dL/dlam, and dL/dK^x = lam dL/dW, stored: the sum       \
+                            below must see the rounded products the dot product saw (a fused multiply-add there      \
+                            would not, and the cancellation in g - dot would keep the difference) */                 \
+                            vec kv = *(const vec *)(kr + k * cp), gv = *(vec *)(gk + k * cp);                         \
+                            gl += gv * kv;                                                                            \
+                            *(vec *)(gk + k * cp) = gv * lv;                                                          \
+                        }                                                                                             \
+                        for (int64_t k = 0; k < gw; ++k)                                                              \
+                            dot += *(const vec *)(kr + k * cp) * *(const vec *)(gk + k * cp);                         \
+                        for (int64_t k = 0; k < gw; ++k) { /* the row's backward (ROW_GRAD, lane-wise) */             \
+                            vec kv = *(const vec *)(kr + k * cp), gv = *(const vec *)(gk + k * cp);                   \
+                            vec d = __builtin_convertvector((int)k - q, vec) - mv, t = kv * (gv - dot) * d;           \
+                            sm += t;                                                                                  \
+                            ss += t * d;                                                                              \
+                        }                                                                                             \
+                        for (int l = 0; l < L && c0 + l < gw; ++l) {                                                  \
+                            int64_t at = gi + (c0 + l) * qs + ri;                                                     \
+                            g_lam[at] = gl[l];                                                                        \
+                            g_mu[2 * at + 1] = 2 * sv[l] * sv[l] * sm[l];                                             \
+                            g_s[2 * at + 1] = -2 * sv[l] * ss[l];                                                     \
+                        }                                                                                             \
                     }                                                                                                 \
                 for (int64_t k = 0; k < gw; ++k) { /* the tokens (iy, k): their y-rows, and dL/dV */                  \
-                    GEMM_BT(gky + k * r * gh, gh, gu + k * dh, gw * dh, cols + k * gh * dh, dh, r, gh, dh, 0,       \
-                            scratch);                                                                             \
-                    GEMM(gcols + k * gh * dh, dh, ky + k * r * gh, 1, gh, gu + k * dh, gw * dh, gh, r, dh, 1);        \
+                    GEMM(gky, py, gu + k * dh, gw * dh, 1, colt + k * dh * py, py, r, dh, py, 0);                     \
+                    GEMM(gcols + k * gh * dh, dh, ky + k, cp, gh * cp, gu + k * dh, gw * dh, gh, r, dh, 1);           \
                     for (int64_t ri = 0; ri < r; ++ri) {                                                              \
                         int64_t at = gi + k * qs + ri;                                                                \
-                        ROW_GRAD(ky + (k * r + ri) * gh, gky + (k * r + ri) * gh, (int)iy, (int)gh, mu[2 * at],       \
-                                 s[2 * at], g_mu + 2 * at, g_s + 2 * at);                                             \
+                        ROW_GRAD(ky + ri * gh * cp + k, cp, gky + ri * py, (int)iy, (int)gh, mu[2 * at], s[2 * at],   \
+                                 g_mu + 2 * at, g_s + 2 * at);                                                        \
                     }                                                                                                 \
                 }                                                                                                     \
             }                                                                                                         \
@@ -421,8 +487,8 @@ int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         SSOG_UNITS_END                                                                                                \
     }
 
-SSOG_QUERY_ROWS(query_rows_f32, float, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
-SSOG_QUERY_ROWS(query_rows_f64, double, exp, DBL_MAX, DBL_MIN, -708.3964) /* log(DBL_MIN) */
+SSOG_QUERY_ROWS(query_rows_f32, float, f32_vec, f32_mask, f32_ints, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
+SSOG_QUERY_ROWS(query_rows_f64, double, f64_vec, f64_mask, f64_ints, exp, DBL_MAX, DBL_MIN, -708.3964) /* log(DBL_MIN) */
 SSOG_GEMM(gemm_f32, float, f32_vec)
 SSOG_GEMM(gemm_f64, double, f64_vec)
 SSOG_GEMM_NT(gemm_nt_f32, float, f32_vec)
@@ -433,7 +499,7 @@ SSOG_ROW_GRAD(row_grad_f32, float)
 SSOG_ROW_GRAD(row_grad_f64, double)
 SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
 SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
-SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad_f32, float, FLT_MIN)
-SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, DBL_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad_f32, float, f32_vec, f32_ints, FLT_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, f64_vec, f64_ints, DBL_MIN)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f32, gemm_f32, gemm_nt_f32, gemm_bt_f32, float)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f64, gemm_f64, gemm_nt_f64, gemm_bt_f64, double)
