@@ -63,6 +63,12 @@ def _rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+def _close(a, b, tol):
+    """``_rel(a, b) < tol``, and exact zeros where ``b`` is all zeros (an axis of one cell moves nothing)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max()) <= tol * float(b.abs().max())
+
+
 def _with_threads(fn, counts):
     threads = torch.get_num_threads()
     try:
@@ -173,6 +179,79 @@ def test_the_fixed_backward_op_equals_autograd_through_the_dense_reference(dtype
     assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 7, 14, 40])
+def test_the_axis_kernels_op_equals_the_dense_reference_forward_and_backward(dtype, length):
+    """``cpu_axis_kernels`` (the fixed field's tables) and its backward against ``reference.dense_axis_kernel`` and
+    autograd through it, centres inside and far outside the axis, narrow and wide kernels; ``ops.axis_kernels`` takes
+    it for CPU float tensors and returns what ``core.axis_kernels`` returns."""
+    g = torch.Generator().manual_seed(3)
+    mu = torch.randn(3, 5, generator=g, dtype=dtype) * length
+    sigma = torch.rand(3, 5, generator=g, dtype=dtype) * length / 2 + 0.1
+    tau = torch.tensor(0.7, dtype=dtype)
+    leaves = [t.double().requires_grad_() for t in (mu, sigma)]
+    want = reference.dense_axis_kernel(length, *leaves, tau.double())
+    grad = torch.randn(want.shape, generator=g, dtype=dtype)
+    want_grads = torch.autograd.grad(want, leaves, grad.double())
+    scale = core.kernel_scale(sigma, tau)
+    got = OPS.cpu_axis_kernels(mu, scale, length)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert got.shape == (3, 5, length, length) and got.dtype == dtype and _close(got, want, tol)
+    g_mu, g_scale = OPS.cpu_axis_kernels_backward(grad, got, mu, scale)
+    # dL/dsigma from dL/dscale: scale = 1 / (sigma sqrt(2 tau))
+    assert _close(g_mu, want_grads[0], 10 * tol) and _close(-g_scale * scale / sigma, want_grads[1], 10 * tol)
+    assert _close(ops.axis_kernels(length, mu, sigma, tau), core.axis_kernels(length, mu, sigma, tau), tol)
+    traced = ops.axis_kernels(length, mu.requires_grad_(), sigma, tau).grad_fn.name()
+    assert traced.startswith("GeneratedBackwardFor_ssogvit_cpu_axis_kernels"), traced
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grid,prefix", [((5, 7), 1), ((14, 14), 0), ((3, 40), 2)])
+def test_the_field_mixing_equals_autograd_through_the_dense_reference(dtype, grid, prefix):
+    """``ops.ssog_mix_field`` (a training step's fixed mixing: the C kernel builds the tables from the field) and its
+    gradients for the values, ``mu``, ``sigma``, ``lam`` and a per-head ``tau``, against autograd through
+    ``reference.dense_fixed_matrix`` in float64; ``impl="stacked"`` (the tables built by torch) agrees."""
+    g = torch.Generator().manual_seed(21)
+    h, r, dh = 2, 3, 20
+    values = torch.randn(2, prefix + grid[0] * grid[1], h * dh, generator=g, dtype=dtype)
+    mu = torch.randn(h, r, 2, generator=g, dtype=dtype) * 3
+    sigma = torch.rand(h, r, 2, generator=g, dtype=dtype) * 2 + 0.2
+    lam = torch.softmax(torch.randn(h, r, generator=g, dtype=dtype), -1)
+    tau = torch.rand(h, generator=g, dtype=dtype) + 0.3
+    grad = torch.randn(values.shape, generator=g, dtype=dtype)
+    dense_in = [t.double().requires_grad_() for t in (values, mu, sigma, lam, tau)]
+    a = reference.with_prefix(reference.dense_fixed_matrix(*dense_in[1:], grid), prefix)
+    want = reference.dense_mix(a, dense_in[0])
+    want = (want, *torch.autograd.grad(want, dense_in, grad.double()))
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+    for impl in ("cpu", "stacked"):
+        inputs = [t.clone().requires_grad_() for t in (values, mu, sigma, lam, tau)]
+        out = ops.ssog_mix_field(inputs[0], grid, *inputs[1:], impl=impl)
+        if impl == "cpu":
+            assert out.grad_fn.name().startswith("GeneratedBackwardFor_ssogvit_cpu_field_mix")
+        got = (out, *torch.autograd.grad(out, inputs, grad))
+        for name, x, y in zip(("out", "values", "mu", "sigma", "lam", "tau"), got, want):
+            assert x.dtype == dtype and _close(x, y, tol), (impl, name)
+
+
+def test_a_gradient_penalty_through_the_field_mixing_equals_einsum():
+    """``create_graph=True`` through ``cpu_field_mix`` (its backward then runs on ``core``'s operations): d/dv and
+    d/dmu of |d(sum y^2)/dmu|, against the einsum path."""
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(2, 1 + 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mu = torch.randn(2, 2, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    sigma, tau = torch.ones(2, 2, 2, dtype=torch.float64), torch.tensor(0.8, dtype=torch.float64)
+    lam = torch.softmax(torch.randn(2, 2, generator=g, dtype=torch.float64), -1)
+
+    def penalty_grad(impl):
+        y = ops.ssog_mix_field(v, (3, 4), mu, sigma, lam, tau, impl=impl)
+        (gm,) = torch.autograd.grad(y.square().sum(), mu, create_graph=True)
+        return torch.autograd.grad(gm.square().sum(), (v, mu))
+
+    for got, want in zip(penalty_grad("cpu"), penalty_grad("einsum")):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["fixed", "steered"])
 def test_training_gradients_equal_the_torch_backend(kind):
     """A training step's gradients through ``ops`` (the kernel forward and backward) equal the torch backend's."""
@@ -245,6 +324,11 @@ def test_the_ops_pass_torch_library_opcheck():
         (OPS.cpu_steered_mix, (*leaves(values, mu, scale, lam), 3, 4)),
         (OPS.cpu_steered_mix_, (values.clone(), mu, scale, lam, 3, 4)),
         (OPS.cpu_steered_mix_backward, (grad, values, mu, scale, lam, 3, 4)),
+        (OPS.cpu_axis_kernels, (*leaves(mu[0, 0, ..., 0], scale[0, 0, ..., 0]), 5)),
+        (OPS.cpu_axis_kernels_backward, (torch.randn(2, 3, 5, 5, dtype=torch.float64), ky, mu[0, 0, ..., 0],
+                                         scale[0, 0, ..., 0])),
+        (OPS.cpu_field_mix, (*leaves(f_values, mu[0, 0], scale[0, 0], f_lam), 3, 4)),
+        (OPS.cpu_field_mix_backward, (grad, f_values, mu[0, 0], scale[0, 0], f_lam, 3, 4)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -19,9 +19,10 @@ from torch import Tensor
 from ssogvit import core
 from ssogvit.backends import cpu, triton
 from ssogvit.backends import torch as stacked
+from ssogvit.backends._common import graph_grads
 from ssogvit.core import (
-    axis_kernels, check_grid, field_sigma, field_tau, functional_only, gaussian_rows, kernel_scale, position_dtype,
-    prefix_pool, steer_gate, steered_geometry, token_geometry,
+    check_grid, field_sigma, field_tau, functional_only, gaussian_rows, kernel_scale, position_dtype, prefix_pool,
+    steer_gate, steered_geometry, token_geometry,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "position_dtype",
     "prefix_pool",
     "ssog_mix",
+    "ssog_mix_field",
     "ssog_mix_steered",
     "ssog_mix_steered_by_tokens",
     "steer_gate",
@@ -69,6 +71,20 @@ def backend_for(kind: str, impl: str, values: Tensor, *operands: Tensor) -> str:
             raise RuntimeError(reason)
         return impl
     return next(name for name in AUTO_ORDER if _BACKENDS[name].unsupported(kind, values, *operands, auto=True) is None)
+
+
+def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor | float, *, impl: str = "auto") -> Tensor:
+    """``core.axis_kernels`` (arguments as there), by the C kernel where ``impl`` (``"auto"`` or ``"cpu"``) lets it
+    and it takes the field (float32 or float64 CPU tensors of one shape; not under tracing or export), else by
+    ``core``'s torch operations. ``impl`` names the implementation of the mixing the tables are for
+    (``SSOG_IMPLS``)."""
+    if impl not in SSOG_IMPLS:
+        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+    if impl in ("auto", "cpu") and not functional_only() and cpu.unsupported("fixed", mu, sigma, auto=True) is None:
+        scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
+        if scale.shape == mu.shape:
+            return cpu.axis_kernels(length, mu, scale)
+    return core.axis_kernels(length, mu, sigma, tau)
 
 
 def _check_inplace(name: str, inplace: bool, grad_needed: bool) -> None:
@@ -135,6 +151,46 @@ def ssog_mix(
     return _BACKENDS[name].fixed_forward(values, grid, ky, kx, lam, inplace=inplace, head_chunk=head_chunk)
 
 
+def ssog_mix_field(
+    values: Tensor,
+    grid: tuple[int, int],
+    mu: Tensor,
+    sigma: Tensor,
+    lam: Tensor,
+    tau: Tensor,
+    *,
+    impl: str = "auto",
+    inplace: bool = False,
+    head_chunk: int | None = None,
+) -> Tensor:
+    """``ssog_mix`` of a fixed field's own tables (``axis_kernels`` of each axis; docs/operator.md, "Fixed mixing"),
+    with autograd to the field: what a training step calls. The C kernel takes the field itself, one op each way
+    (``impl`` ``"auto"`` or ``"cpu"`` where it takes the tensors, and not ``inplace``); every other implementation
+    mixes the tables ``axis_kernels`` builds.
+
+    Args:
+        values: ``(B, P + N, D)``, as ``ssog_mix``'s.
+        grid: ``(Gh, Gw)``.
+        mu, sigma: centres and widths ``(H, R, 2)``, axis order ``(y, x)``.
+        lam: mixture weights ``(H, R)``.
+        tau: temperature, a scalar tensor or ``(H,)``.
+        impl, inplace, head_chunk: as ``ssog_mix``'s.
+    """
+    gh, gw, _ = check_grid(values.shape[1], grid)
+    h = lam.shape[0] if lam.ndim == 2 else 0
+    if mu.shape != (h, lam.shape[-1], 2) or sigma.shape != mu.shape:
+        raise ValueError(f"expected mu and sigma (H, R, 2) and lam (H, R), got {tuple(mu.shape)}, "
+                         f"{tuple(sigma.shape)} and {tuple(lam.shape)}")
+    tau = tau[:, None] if tau.ndim else tau  # against (H, R)
+    if (impl in ("auto", "cpu") and not inplace and not functional_only()
+            and cpu.unsupported("fixed", values, mu, sigma, lam, auto=impl == "auto") is None):
+        return cpu.field_mix(values, (gh, gw), mu, kernel_scale(sigma, tau[..., None]), lam)
+    ky = axis_kernels(gh, mu[..., 0], sigma[..., 0], tau, impl=impl).to(values.dtype)
+    kx = axis_kernels(gw, mu[..., 1], sigma[..., 1], tau, impl=impl).to(values.dtype)
+    return ssog_mix(values, (gh, gw), ky, kx, lam.to(values.dtype), impl=impl, inplace=inplace,
+                    head_chunk=head_chunk)
+
+
 class _FixedMix(torch.autograd.Function):
     """The fixed mixing by a backend, with its backward: saves the values and the tables only (the backends recompute
     the x-pass)."""
@@ -149,18 +205,10 @@ class _FixedMix(torch.autograd.Function):
     def backward(ctx, grad):
         values, ky, kx, lam = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
-            grads = _graph_grads(lambda *a: core.mix_fixed(a[0], ctx.grid, *a[1:]), (values, ky, kx, lam), grad)
+            grads = graph_grads(lambda *a: core.mix_fixed(a[0], ctx.grid, *a[1:]), (values, ky, kx, lam), grad)
         else:
             grads = _BACKENDS[ctx.impl].fixed_backward(grad, values, ctx.grid, ky, kx, lam)
         return *grads, None, None, None
-
-
-def _graph_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor) -> list[Tensor | None]:
-    """The gradients of ``fn(*inputs)`` for ``grad``, as a graph (the saved inputs carry the outer graph)."""
-    with torch.enable_grad():
-        live = [t for t in inputs if t.requires_grad]
-        found = iter(torch.autograd.grad(fn(*inputs), live, grad, create_graph=True, allow_unused=True))
-    return [next(found) if t.requires_grad else None for t in inputs]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,7 +339,7 @@ class _SteeredMix(torch.autograd.Function):
         grid, impl, head_chunk, geometry = ctx.args
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again
             with _autocast(ctx.autocast):
-                grads = _graph_grads(lambda v, *a: core.mix_steered(v, grid, *geometry(*a)), (values, *inputs), grad)
+                grads = graph_grads(lambda v, *a: core.mix_steered(v, grid, *geometry(*a)), (values, *inputs), grad)
         else:
             with _autocast(ctx.autocast):
                 geo, geometry_vjp = torch.func.vjp(geometry, *inputs)

@@ -1,4 +1,5 @@
-"""What the backends share: the prefix rows, the per-head gradients of the fixed mixing, the TF32 setting.
+"""What the backends share: the prefix rows, the per-head gradients of the fixed mixing, the TF32 setting, a backward
+that builds a graph.
 
 docs/operator.md states the maths ("Prefix tokens", "Backward"); shapes use the letters of ``ssogvit.core``.
 """
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from ssogvit.core import prefix_pool
 
-__all__ = ["add_prefix_grad", "head_grads", "tf32_enabled", "write_prefix_pool"]
+__all__ = ["add_prefix_grad", "graph_grads", "head_grads", "tf32_enabled", "write_prefix_pool"]
 
 
 def write_prefix_pool(out: Tensor, values: Tensor, num_prefix: int) -> None:
@@ -84,3 +85,12 @@ def tf32_enabled() -> bool:
         return bool(torch.backends.cuda.matmul.allow_tf32)
     except RuntimeError:
         return False
+
+
+def graph_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor) -> list[Tensor | None]:
+    """The gradients of ``fn(*inputs)`` for ``grad``, as a graph (a backward under ``create_graph=True``, which
+    autograd can differentiate again; the saved inputs carry the outer graph)."""
+    with torch.enable_grad():
+        live = [t for t in inputs if t.requires_grad]
+        found = iter(torch.autograd.grad(fn(*inputs), live, grad, create_graph=True, allow_unused=True))
+    return [next(found) if t.requires_grad else None for t in inputs]

@@ -445,6 +445,40 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         SSOG_UNITS_END                                                                                                \
     }
 
+/* The fixed field's axis kernels (core.axis_kernels): K[a, i, j] for `atoms` rows of atoms a (centre mu[a], scale
+ * s[a]; the fixed field has one per head and atom) and i, j < n, each atom's table built as SSOG_QUERY_ROWS builds it
+ * (its n queries i along the lanes), then written out row by row; `work`: ssog_axis_kernels_work(n) numbers. */
+int64_t ssog_axis_kernels_work(int64_t n) {
+    return n * SSOG_LANES(n);
+}
+
+#define SSOG_AXIS_KERNELS(NAME, ROWS, T)                                                                              \
+    void NAME(const T *mu, const T *s, T *out, T *work, int64_t atoms, int64_t n) {                                   \
+        int64_t cp = SSOG_LANES(n);                                                                                   \
+        unsigned csr = ftz_enter();                                                                                   \
+        for (int64_t a = 0; a < atoms; ++a) {                                                                         \
+            ROWS(work, mu + a, s + a, NULL, 0, 0, 0, n, 0, 1, (int)n, 1);                                             \
+            for (int64_t i = 0; i < n; ++i)                                                                           \
+                for (int64_t j = 0; j < n; ++j)                                                                       \
+                    out[(a * n + i) * n + j] = work[j * cp + i];                                                      \
+        }                                                                                                             \
+        ftz_leave(csr);                                                                                               \
+    }
+
+/* Their backward: dL/dmu[a] and dL/ds[a] given g = dL/dK (contiguous as K), the sums over the rows i of ROW_GRAD. */
+#define SSOG_AXIS_KERNELS_GRAD(NAME, ROW_GRAD, T)                                                                     \
+    void NAME(const T *k, const T *g, const T *mu, const T *s, T *g_mu, T *g_s, int64_t atoms, int64_t n) {           \
+        for (int64_t a = 0; a < atoms; ++a) {                                                                         \
+            T sum_mu = 0, sum_s = 0;                                                                                  \
+            for (int64_t i = 0; i < n; ++i) {                                                                         \
+                T dm, ds;                                                                                             \
+                ROW_GRAD(k + (a * n + i) * n, 1, g + (a * n + i) * n, (int)i, (int)n, mu[a], s[a], &dm, &ds);         \
+                sum_mu += dm, sum_s += ds;                                                                            \
+            }                                                                                                         \
+            g_mu[a] = sum_mu, g_s[a] = sum_s;                                                                         \
+        }                                                                                                             \
+    }
+
 /* Gradients of the fixed mixing (docs/operator.md, "Backward"), one (image, head) at a time and, within it, one source
  * row jy at a time, the x-pass recomputed: with Kyl = lam K^y (H, R, Gh, Gh) as `kyl`, K^x (H, R, Gw, Gw) as `kx`
  * (both contiguous) and G = dL/dout, U = K^x V[jy], dL/dKyl[r, :, jy] = G U[r]^T, dL/dU[r] = sum_iy Kyl[r, iy, jy]
@@ -503,3 +537,7 @@ SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad
 SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, f64_vec, f64_ints, DBL_MIN)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f32, gemm_f32, gemm_nt_f32, gemm_bt_f32, float)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f64, gemm_f64, gemm_nt_f64, gemm_bt_f64, double)
+SSOG_AXIS_KERNELS(ssog_axis_kernels_f32, query_rows_f32, float)
+SSOG_AXIS_KERNELS(ssog_axis_kernels_f64, query_rows_f64, double)
+SSOG_AXIS_KERNELS_GRAD(ssog_axis_kernels_grad_f32, row_grad_f32, float)
+SSOG_AXIS_KERNELS_GRAD(ssog_axis_kernels_grad_f64, row_grad_f64, double)

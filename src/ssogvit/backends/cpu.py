@@ -36,10 +36,10 @@ from torch import Tensor
 from ssogvit import core
 from ssogvit import reference as dense
 
-from ._common import add_prefix_grad, write_prefix_pool
+from ._common import add_prefix_grad, graph_grads, write_prefix_pool
 
-__all__ = ["ENV_SWITCH", "available", "enabled", "fixed_backward", "fixed_forward", "steered_backward",
-           "steered_forward", "unsupported"]
+__all__ = ["ENV_SWITCH", "available", "axis_kernels", "enabled", "field_mix", "fixed_backward", "fixed_forward",
+           "steered_backward", "steered_forward", "unsupported"]
 
 #: Environment variable: ``0`` keeps SSoG off the C kernel.
 ENV_SWITCH = "SSOGVIT_CPU_KERNEL"
@@ -107,14 +107,16 @@ def _build_or_load() -> ctypes.CDLL:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
             os.replace(out, lib)  # atomic: another process sees the old state or the whole library
     handle = ctypes.CDLL(str(lib))
-    pointers = {"ssog_mix": 8, "ssog_mix_grad": 10, "ssog_fixed_grad": 8}
-    sizes = {"ssog_mix": 12, "ssog_mix_grad": 14, "ssog_fixed_grad": 14}
-    for name, count in pointers.items():
+    # name: (pointer arguments, integer arguments, arguments of its scratch size, or None: no scratch)
+    signatures = {"ssog_mix": (8, 12, 4), "ssog_mix_grad": (10, 14, 4), "ssog_fixed_grad": (8, 14, 4),
+                  "ssog_axis_kernels": (4, 2, 1), "ssog_axis_kernels_grad": (6, 2, None)}
+    for name, (pointers, ints, work_ints) in signatures.items():
         for suffix in _SUFFIX.values():
             fn = getattr(handle, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = [ctypes.c_void_p] * count + [ctypes.c_int64] * sizes[name], None
-        work = getattr(handle, f"{name}_work")
-        work.argtypes, work.restype = [ctypes.c_int64] * 4, ctypes.c_int64
+            fn.argtypes, fn.restype = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * ints, None
+        if work_ints:
+            work = getattr(handle, f"{name}_work")
+            work.argtypes, work.restype = [ctypes.c_int64] * work_ints, ctypes.c_int64
     return handle
 
 
@@ -145,9 +147,9 @@ def _threads(units: int) -> int:
     return max(1, min(torch.get_num_threads(), units))
 
 
-def _work(name: str, threads: int, gh: int, gw: int, r: int, dh: int, dtype: torch.dtype) -> Tensor:
+def _work(name: str, threads: int, *sizes: int, dtype: torch.dtype) -> Tensor:
     """Each thread's scratch, from PyTorch's allocator (so that memory benchmarks count it)."""
-    return torch.empty(threads * getattr(_library(), f"{name}_work")(gh, gw, r, dh), dtype=dtype)
+    return torch.empty(threads * getattr(_library(), f"{name}_work")(*sizes), dtype=dtype)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -161,7 +163,7 @@ def _mix_into(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, at
     (b, t, d), (gh, gw) = values.shape, grid
     write_prefix_pool(out, values, t - gh * gw)
     threads = _threads(b * heads)
-    work = _work("ssog_mix", threads, gh, gw, atoms, d // heads, values.dtype)
+    work = _work("ssog_mix", threads, gh, gw, atoms, d // heads, dtype=values.dtype)
     pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2))]
     getattr(_library(), f"ssog_mix_{_SUFFIX[values.dtype]}")(
         values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
@@ -210,11 +212,16 @@ def _fixed_mix_(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
 def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``cpu_fixed_mix`` for ``values``, ``ky``, ``kx`` and ``lam`` given ``grad``."""
+    return _fixed_grads(grad, values, ky, kx, lam)
+
+
+def _fixed_grads(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad, values = _rows(grad), _rows(values)
     (b, t, d), (h, r), (gh, gw) = values.shape, lam.shape, _grid(ky, kx)
     kyl = core.flush_tiny_product(ky * lam[:, :, None, None]).contiguous()
     threads = _threads(b * h)
-    work = _work("ssog_fixed_grad", threads, gh, gw, r, d // h, values.dtype)
+    work = _work("ssog_fixed_grad", threads, gh, gw, r, d // h, dtype=values.dtype)
     g_values = values.new_zeros(values.shape)
     g_kyl, g_kx = values.new_empty(b, h, r, gh, gh), values.new_empty(b, h, r, gw, gw)  # per image, summed below
     getattr(_library(), f"ssog_fixed_grad_{_SUFFIX[values.dtype]}")(
@@ -253,7 +260,7 @@ def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tenso
     grad, values, mu, scale, lam = _rows(grad), _rows(values), mu.contiguous(), scale.contiguous(), lam.contiguous()
     (b, t, d), (h, r) = values.shape, mu.shape[2:4]
     threads = _threads(b * h)
-    work = _work("ssog_mix_grad", threads, gh, gw, r, d // h, values.dtype)
+    work = _work("ssog_mix_grad", threads, gh, gw, r, d // h, dtype=values.dtype)
     g_values = values.new_zeros(values.shape)
     g_mu, g_scale, g_lam = (t.new_empty(t.shape) for t in (mu, scale, lam))
     getattr(_library(), f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
@@ -262,6 +269,62 @@ def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tenso
         t - gh * gw, gh, gw, h, r, d // h)
     add_prefix_grad(g_values, grad, t - gh * gw)
     return g_values, g_mu, g_scale, g_lam
+
+
+@torch.library.custom_op("ssogvit::cpu_axis_kernels", mutates_args=(), device_types="cpu")
+def _axis_kernels(mu: Tensor, scale: Tensor, length: int) -> Tensor:
+    """``core.axis_kernels`` by the kernel: centres and ``core.kernel_scale`` of one axis, any shape ``S`` (one
+    dtype), to the kernels ``S + (length, length)``."""
+    return _axis_rows(mu, scale, length)
+
+
+def _axis_rows(mu: Tensor, scale: Tensor, length: int) -> Tensor:
+    mu, scale = mu.contiguous(), scale.contiguous()
+    out, work = mu.new_empty(*mu.shape, length, length), _work("ssog_axis_kernels", 1, length, dtype=mu.dtype)
+    getattr(_library(), f"ssog_axis_kernels_{_SUFFIX[mu.dtype]}")(
+        mu.data_ptr(), scale.data_ptr(), out.data_ptr(), work.data_ptr(), mu.numel(), length)
+    return out
+
+
+@torch.library.custom_op("ssogvit::cpu_axis_kernels_backward", mutates_args=(), device_types="cpu")
+def _axis_kernels_backward(grad: Tensor, kernels: Tensor, mu: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of ``cpu_axis_kernels`` for ``mu`` and ``scale`` given ``grad`` (shaped as the kernels)."""
+    return _axis_grads(grad, kernels, mu, scale)
+
+
+def _axis_grads(grad: Tensor, kernels: Tensor, mu: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    grad, kernels, mu, scale = (t.contiguous() for t in (grad, kernels, mu, scale))
+    g_mu, g_scale = mu.new_empty(mu.shape), scale.new_empty(scale.shape)
+    getattr(_library(), f"ssog_axis_kernels_grad_{_SUFFIX[mu.dtype]}")(
+        *(t.data_ptr() for t in (kernels, grad, mu, scale, g_mu, g_scale)), mu.numel(), kernels.shape[-1])
+    return g_mu, g_scale
+
+
+def _field_tables(mu: Tensor, scale: Tensor, gh: int, gw: int) -> tuple[Tensor, Tensor]:
+    """The axis kernels ``(K^y, K^x)`` of a field, ``mu`` and ``scale`` ``(H, R, 2)`` (axis order ``(y, x)``)."""
+    return _axis_rows(mu[..., 0], scale[..., 0], gh), _axis_rows(mu[..., 1], scale[..., 1], gw)
+
+
+@torch.library.custom_op("ssogvit::cpu_field_mix", mutates_args=(), device_types="cpu")
+def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int) -> Tensor:
+    """``cpu_fixed_mix`` of the field's own tables: mu and scale ``(H, R, 2)``, lam ``(H, R)``, the grid
+    ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
+    values = _rows(values)
+    out = values.new_empty(values.shape)
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam)
+    return out
+
+
+@torch.library.custom_op("ssogvit::cpu_field_mix_backward", mutates_args=(), device_types="cpu")
+def _field_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``cpu_field_mix`` for ``values``, ``mu``, ``scale`` and ``lam`` given ``grad``: the tables
+    rebuilt, the fixed mixing's backward, then the tables'."""
+    ky, kx = _field_tables(mu, scale, gh, gw)
+    g_values, g_ky, g_kx, g_lam = _fixed_grads(grad, values, ky, kx, lam)
+    g_mu, g_scale = zip(*(_axis_grads(g, k, mu[..., i], scale[..., i]) for i, (g, k) in
+                          enumerate(((g_ky, ky), (g_kx, kx)))))
+    return g_values, torch.stack(g_mu, -1), torch.stack(g_scale, -1), g_lam
 
 
 def _new(*tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
@@ -290,6 +353,26 @@ def _(values, mu, scale, lam, gh, gw):
     return _new(values)
 
 
+@_axis_kernels.register_fake
+def _(mu, scale, length):
+    return mu.new_empty(*mu.shape, length, length)
+
+
+@_axis_kernels_backward.register_fake
+def _(grad, kernels, mu, scale):
+    return _new(mu, scale)
+
+
+@_field_mix.register_fake
+def _(values, mu, scale, lam, gh, gw):
+    return _new(values)
+
+
+@_field_mix_backward.register_fake
+def _(grad, values, mu, scale, lam, gh, gw):
+    return _new(values, mu, scale, lam)
+
+
 @_steered_mix_.register_fake
 def _(values, mu, scale, lam, gh, gw):
     return None
@@ -313,12 +396,52 @@ def _steered_mix_grad(ctx, grad: Tensor):
     return *_steered_mix_backward(grad, *ctx.saved_tensors, *ctx.grid), None, None
 
 
+def _save_axis(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output, *inputs[:2])
+
+
+def _axis_kernels_grad(ctx, grad: Tensor):
+    kernels, mu, scale = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again, by core's ops
+        return *graph_grads(lambda m, s: _core_rows(m, s, kernels.shape[-1]), (mu, scale), grad), None
+    return *_axis_kernels_backward(grad, kernels, mu, scale), None
+
+
+def _field_mix_grad(ctx, grad: Tensor):
+    if torch.is_grad_enabled():  # create_graph=True, as above
+        (gh, gw), saved = ctx.grid, ctx.saved_tensors
+        mix = lambda v, m, s, lam: core.mix_fixed(v, (gh, gw), _core_rows(m[..., 0], s[..., 0], gh),  # noqa: E731
+                                                  _core_rows(m[..., 1], s[..., 1], gw), lam)
+        return *graph_grads(mix, saved, grad), None, None
+    return *_field_mix_backward(grad, *ctx.saved_tensors, *ctx.grid), None, None
+
+
+def _core_rows(mu: Tensor, scale: Tensor, length: int) -> Tensor:
+    """``cpu_axis_kernels`` by ``core``'s differentiable operations."""
+    return core.gaussian_rows(core.grid_offsets(length, mu.dtype, mu.device), mu[..., None, None], scale[..., None, None])
+
+
+_axis_kernels.register_autograd(_axis_kernels_grad, setup_context=_save_axis)
+_field_mix.register_autograd(_field_mix_grad, setup_context=_save_inputs)
 _fixed_mix.register_autograd(_fixed_mix_grad, setup_context=_save_inputs)
 _steered_mix.register_autograd(_steered_mix_grad, setup_context=_save_inputs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The backend's entry points (``ssogvit.ops`` calls them without autograd and wires them into it)
+
+
+def axis_kernels(length: int, mu: Tensor, scale: Tensor) -> Tensor:
+    """``core.axis_kernels`` of the centres ``mu`` and ``core.kernel_scale`` ``scale`` (one shape and dtype), with
+    autograd: one op each way where torch would issue a dozen small ones (a training step of the fixed field builds
+    its tables anew)."""
+    return torch.ops.ssogvit.cpu_axis_kernels(mu, scale, length)
+
+
+def field_mix(values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, lam: Tensor) -> Tensor:
+    """``fixed_forward`` of the field's own tables (``mu``, ``scale`` ``(H, R, 2)``, ``lam`` ``(H, R)``), with
+    autograd for all four."""
+    return torch.ops.ssogvit.cpu_field_mix(values, mu, scale, lam, *grid)
 
 
 def fixed_forward(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
@@ -403,4 +526,11 @@ def _check(kind: str, dtype: torch.dtype, g: torch.Generator) -> float:
         a = a.reshape(heads, gh * gw, gh * gw).expand(2, -1, -1, -1)
     want = dense.dense_mix(dense.with_prefix(a, 1), inputs[0])
     want = (want.detach(), *torch.autograd.grad(want, inputs, grad))
+    if kind == "fixed":  # and the tables themselves, from the field, with their backward
+        field = [t[0, 0, ..., 1].detach().requires_grad_() for t in (mu, s)]
+        table = dense.dense_axis_kernel(gw, field[0], 1 / field[1], half)
+        g_table = torch.randn(table.shape, generator=g, dtype=dtype)
+        plain = [t.detach() for t in field]
+        got = (*got, _axis_kernels(*plain, gw), *_axis_kernels_backward(g_table, table.detach(), *plain))
+        want = (*want, table.detach(), *torch.autograd.grad(table, field, g_table))
     return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(got, want))

@@ -163,16 +163,19 @@ class SSoGAttention(nn.Module):
         """Fixed-field kernels ``(K^y (H, R, Gh, Gh), K^x (H, R, Gw, Gw))``."""
         gh, gw = grid
         sigma, tau = self.sigma(), self._tau_hr()
-        ky = ops.axis_kernels(gh, self.mu[..., 0], sigma[..., 0], tau)
-        kx = ops.axis_kernels(gw, self.mu[..., 1], sigma[..., 1], tau)
+        ky = ops.axis_kernels(gh, self.mu[..., 0], sigma[..., 0], tau, impl=self.impl)
+        kx = ops.axis_kernels(gw, self.mu[..., 1], sigma[..., 1], tau, impl=self.impl)
         return ky, kx
+
+    def _tables_cached(self) -> bool:
+        return (self.cache_kernels and not torch.is_grad_enabled() and not core.functional_only()
+                and not torch.compiler.is_compiling())
 
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """``(K^y, K^x, lambda)`` in ``dtype``; in inference (no grad, not traced or compiled) kept until the parameters
         or the grid change. Under ``torch.compile`` the tables are always built, inside the compiled graph: the cache
         is Python state the compiler would have to guard on."""
-        use_cache = (self.cache_kernels and not torch.is_grad_enabled() and not core.functional_only()
-                     and not torch.compiler.is_compiling())
+        use_cache = self._tables_cached()
         if use_cache:
             params = (self.mu, self.rho, self.ell, self.theta)
             key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
@@ -239,11 +242,14 @@ class SSoGAttention(nn.Module):
                 values, (gh, gw), x[:, p:], self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
                 steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
             )
-        else:
+        elif self._tables_cached():
             ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
             mixed = ops.ssog_mix(
                 values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
             )
+        else:  # training, tracing, compiling: the tables are built from the field inside the mixing
+            mixed = ops.ssog_mix_field(values, (gh, gw), self.mu, self.sigma(), self.mixture(), self.tau(),
+                                       impl=self.impl, head_chunk=self.head_chunk, inplace=inplace)
         del values  # in inference the values are freed before the output projection allocates its result
         return self.proj_drop(self.proj(mixed))
 
