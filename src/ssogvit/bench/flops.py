@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 from timm.layers import Attention as TimmAttention
 from timm.layers import to_2tuple
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from ssogvit.backends import cpu
 from ssogvit.layers import Attention, is_ssog
-from ssogvit.results import markdown_table
 
-__all__ = ["TABLE4_ATTENTION", "TABLE4_TOTAL", "count_flops", "find_mixers", "flops_breakdown", "flops_rows",
-           "format_flops_table", "grid_of", "measure_flops", "mixer_flops"]
+__all__ = ["TABLE4_ATTENTION", "TABLE4_TOTAL", "count_flops", "find_mixers", "flops_breakdown", "grid_of",
+           "measure_flops", "mixer_flops"]
 
 #: the paper's Table 4: forward GFLOPs per image at D = 768, 12 block applications, whole model and attention alone
 TABLE4_TOTAL = {"mha": {224: 35.1, 384: 111.0, 512: 214.1, 640: 368.3, 768: 590.1},
@@ -84,15 +84,14 @@ def flops_breakdown(model: nn.Module, img_size: int | tuple[int, int]) -> dict[s
     parts = dict.fromkeys(("mixer_projections", "mixer_core", "mixer_steering", "mlp"), 0)
     for block in blocks:
         mixers = find_mixers(block)
-        for m in mixers:
-            f = mixer_flops(m, (gh, gw), prefix)
+        for f in (mixer_flops(m, (gh, gw), prefix) for m in mixers):
             for part in ("projections", "core", "steering"):
                 parts[f"mixer_{part}"] += reps * f[part]
         inside = {id(p) for m in mixers for p in m.modules()}
-        for m in block.modules():
-            if isinstance(m, nn.Linear) and id(m) not in inside:
+        for m in (m for m in block.modules() if id(m) not in inside):
+            if isinstance(m, nn.Linear):
                 parts["mlp"] += reps * 2 * t * m.in_features * m.out_features
-            elif isinstance(m, nn.Conv1d | nn.Conv2d) and id(m) not in inside:
+            elif isinstance(m, nn.Conv1d | nn.Conv2d):
                 warnings.warn(f"convolution {type(m).__name__} inside a block is not counted", stacklevel=2)
     head = getattr(model, "head", None)
     out = {"patch_embed": 2 * gh * gw * conv.out_channels * (conv.in_channels // conv.groups) * conv.kernel_size[0]
@@ -109,7 +108,6 @@ def count_flops(model: nn.Module, img_size: int | tuple[int, int]) -> int:
 
 def _custom_mapping() -> dict:
     """CPU SDPA and ``nn.MultiheadAttention``'s fast path, absent from torch's FLOP registry (they count 0 there)."""
-    from torch.utils.flop_counter import sdpa_flop_count
 
     def sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return sdpa_flop_count(query_shape, key_shape, value_shape)
@@ -122,16 +120,11 @@ def _custom_mapping() -> dict:
     return {getattr(torch.ops.aten, name): fn for name, fn in pairs if hasattr(torch.ops.aten, name)}
 
 
-def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans: int | None = None) -> int:
+def measure_flops(model: nn.Module, img_size: int | tuple[int, int]) -> int:
     """Forward FLOPs of one image counted by ``FlopCounterMode`` (no grad), SSoG through the torch path (the C kernel
     of ``ssogvit.backends.cpu`` does the same multiply-adds where the counter cannot see them)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..backends import cpu
-
     param, was_training = next(model.parameters()), model.training
-    x = torch.randn(1, in_chans or _patch_conv(model).in_channels, *to_2tuple(img_size), device=param.device,
-                    dtype=param.dtype)
+    x = torch.randn(1, _patch_conv(model).in_channels, *to_2tuple(img_size), device=param.device, dtype=param.dtype)
     counter = FlopCounterMode(display=False, custom_mapping=_custom_mapping())
     try:
         with torch.no_grad(), cpu.enabled(False), counter:
@@ -139,50 +132,3 @@ def measure_flops(model: nn.Module, img_size: int | tuple[int, int], *, in_chans
     finally:
         model.train(was_training)
     return int(counter.get_total_flops())
-
-
-def flops_rows(names: list[str], resolutions: list[int], *, check: bool = False, model_kwargs: dict | None = None,
-               log: Callable[[str], None] | None = None) -> list[dict]:
-    """Analytic (with ``check``, also ``FlopCounterMode``) GFLOPs per image for each model name and resolution, with
-    the paper's Table 4 value at base width and 12 applications; ``log`` gets one line per point."""
-    from ssogvit.models import create_model
-
-    rows = []
-    for name in names:
-        model = None
-        for res in resolutions:
-            if model is None or check:  # the check runs a forward at each resolution's own position embedding
-                model = create_model(name, img_size=res, **(model_kwargs or {})).eval()
-            parts = flops_breakdown(model, res)
-            gh, gw = grid_of(model, res)
-            row = {"model": name, "res": res, "tokens": model.num_prefix_tokens + gh * gw,
-                   "gflops": parts["total"] / 1e9, "attention_gflops": parts["mixer"] / 1e9,
-                   "mlp_gflops": parts["mlp"] / 1e9, "patch_embed_gflops": parts["patch_embed"] / 1e9}
-            paper = "mha" if model.mixer_name.startswith("mha") else model.mixer_name
-            if (model.embed_dim, model.depth) == (768, 12):
-                row["paper_gflops"] = TABLE4_TOTAL.get(paper, {}).get(res)
-                row["paper_attention_gflops"] = TABLE4_ATTENTION.get(paper, {}).get(res)
-            if check:
-                row["measured_gflops"] = measure_flops(model, res) / 1e9
-            rows.append(row)
-            if log is not None:
-                counted = f", counted {row['measured_gflops']:.2f}" if check else ""
-                log(f"[{len(rows)}/{len(names) * len(resolutions)}] {name} res={res}: analytic "
-                    f"{row['gflops']:.2f}{counted} GFLOPs")
-    return rows
-
-
-def format_flops_table(rows: list[dict]) -> str:
-    """Markdown of ``flops_rows``: analytic, counted and the paper's GFLOPs, with relative differences."""
-    from ssogvit.bench.sweeps import cell
-
-    def rel(a, b):
-        return f"{100 * (a / b - 1):+.2f}%" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
-
-    lines = [[r["model"], r["res"], r["tokens"], cell(r["gflops"]), cell(r["attention_gflops"]),
-              cell(r.get("measured_gflops")), rel(r.get("measured_gflops"), r["gflops"]),
-              cell(r.get("paper_gflops"), ".1f"), rel(r["gflops"], r.get("paper_gflops")),
-              cell(r.get("paper_attention_gflops"), ".1f"), rel(r["attention_gflops"], r.get("paper_attention_gflops"))]
-             for r in rows]
-    return markdown_table(["model", "res", "tokens", "GFLOPs", "attention GFLOPs", "FlopCounterMode", "diff", "paper",
-                           "diff", "paper attention", "diff"], lines).rstrip("\n")

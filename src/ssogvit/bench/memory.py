@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
+import itertools
 import re
 import resource
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["cap_address_space", "cpu_peak_call", "cuda_peak_call", "limit_arenas", "saved_for_backward",
-           "status_kib", "torch_peak_call"]
+__all__ = ["cap_address_space", "cpu_peak_call", "cuda_peak_call", "saved_for_backward", "status_kib",
+           "torch_peak_call"]
 
 _MIB = 1024 * 1024
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
@@ -33,15 +37,11 @@ def _libc():
         return None
 
 
-def limit_arenas(count: int) -> bool:
-    """At most ``count`` malloc arenas from now on (each reserves 64 MiB of address space, which a cap counts)."""
-    libc = _libc()
-    return bool(libc is not None and libc.mallopt(_M_ARENA_MAX, count))
-
-
 def cap_address_space(cap_mib: float) -> int:
-    """Let this process map at most ``cap_mib`` more MiB (``RLIMIT_AS``: reserved space, not resident pages); returns
-    the limit in bytes."""
+    """Let this process map at most ``cap_mib`` more MiB (``RLIMIT_AS``: reserved space, not resident pages), with two
+    malloc arenas at most (each reserves 64 MiB of address space, which the cap counts); returns the limit in bytes."""
+    if (libc := _libc()) is not None:
+        libc.mallopt(_M_ARENA_MAX, 2)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = status_kib("VmSize")["VmSize"] * 1024 + int(cap_mib * _MIB)
     limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
@@ -63,15 +63,13 @@ def cpu_peak_call(fn: Callable[[], object]) -> dict[str, float | str]:
             f.write("5")
     except OSError:
         before, rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, status_kib("VmRSS")["VmRSS"]
-        out = fn()
+        _out = fn()  # alive while the peak is read
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - max(before, rss), 0)
-        del out
         return {"peak_mib": peak / 1024, "baseline_mib": rss / 1024,
                 "memory_method": "ru_maxrss (clear_refs unavailable: a lower bound, blurred by earlier peaks)"}
     before = status_kib("VmRSS")["VmRSS"]
-    out = fn()
+    _out = fn()
     peak = status_kib("VmHWM")["VmHWM"]  # read with the output alive: the kernel's high-water mark lags behind a free
-    del out
     return {"peak_mib": (peak - before) / 1024, "baseline_mib": before / 1024,
             "memory_method": "clear_refs+VmHWM" + ("" if heap else " (glibc heap not trimmed)")}
 
@@ -94,18 +92,13 @@ def torch_peak_call(fn: Callable[[], object], *, kept: Iterable[object] = ()) ->
     """Run ``fn()`` once under ``torch.profiler(profile_memory=True)``: ``torch_peak_mib``, the highest total of
     PyTorch's allocations during the call above what was allocated before (``None`` if none was recorded);
     ``state_mib``, what ``kept`` (modules, optimizers, tensors) holds across it; ``peak_total_mib``, their sum."""
-    from torch.profiler import ProfilerActivity, profile
-
     state = sum(_storages([k for k in kept if k is not None]).values()) / _MIB
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     if not events:
         return {"torch_peak_mib": None}
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
+    peak = max(0, *itertools.accumulate(nbytes for _, nbytes in events))
     return {"torch_peak_mib": peak / _MIB, "state_mib": state, "peak_total_mib": state + peak / _MIB}
 
 
@@ -115,32 +108,26 @@ def saved_for_backward(module: torch.nn.Module, forward: Callable[[], object], *
     applications]}``, each storage counted once for the innermost module running, the same place in every block one
     group: ``blocks.*.attn``; parameters, buffers and ``exclude`` left out) and ``grads_mib``. All saved tensors are
     alive when the forward ends, all gradients when backward ends: the larger is a lower bound of a step."""
-    skip = set(_storages([module, *exclude]))
-    stack: list[str] = []
-    calls: dict[str, int] = {}
-    saved: dict[str, int] = {}
+    skip, stack, calls, saved = set(_storages([module, *exclude])), [], Counter(), Counter()
 
-    def enter(name):
-        def hook(_m, _args) -> None:
-            stack.append(name)
-            calls[name] = calls.get(name, 0) + 1
-        return hook
+    def enter(name: str, _m, _args) -> None:
+        stack.append(name)
+        calls[name] += 1
 
-    def leave(_m, _args, _out) -> None:
+    def leave(_m, _args, _out) -> None:  # returns None: a forward hook's value would replace the output
         stack.pop()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
         if key and key not in skip:
             skip.add(key)
-            where = stack[-1] if stack else "(model)"
-            saved[where] = saved.get(where, 0) + t.untyped_storage().nbytes()
+            saved[stack[-1] if stack else "(model)"] += t.untyped_storage().nbytes()
         return t
 
     handles = []
     for name, m in module.named_modules():  # blocks.3.attn.v -> blocks.*.attn.v
         group = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name) or "(model)"
-        handles += [m.register_forward_pre_hook(enter(group)), m.register_forward_hook(leave)]
+        handles += [m.register_forward_pre_hook(functools.partial(enter, group)), m.register_forward_hook(leave)]
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import datetime as _dt
 import io
 import json
 import math
@@ -22,31 +21,30 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
+
+from ssogvit.bench.point import run
 from ssogvit.outputs import write_text
 
 __all__ = ["CSV_FIELDS", "machine_info", "merge_repeat", "read_results", "run_point", "run_sweep", "write_results"]
 
 #: columns of the CSV file, in order (a row's other keys go to the JSON only)
-CSV_FIELDS = [
-    "kind", "label", "family", "size", "mixer", "res", "grid", "tokens", "batch", "mode", "device", "dtype",
-    "threads", "warmup", "iters", "blocks", "status", "time_ms", "time_ms_median", "time_ms_spread",
-    "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "rss_peak_mib", "state_mib",
-    "saved_mib", "grads_mib", "gflops_per_image",
-    "achieved_gflops_per_s", "params", "mem_cap_mib", "memory_method", "load_before", "wall_s", "error",
-]
+CSV_FIELDS = ["kind", "label", "family", "size", "mixer", "res", "grid", "tokens", "batch", "mode", "device", "dtype",
+              "threads", "warmup", "iters", "blocks", "status", "time_ms", "time_ms_median", "time_ms_spread",
+              "images_per_s", "peak_mib", "baseline_mib", "peak_total_mib", "torch_peak_mib", "rss_peak_mib",
+              "state_mib", "saved_mib", "grads_mib", "gflops_per_image", "achieved_gflops_per_s", "params",
+              "mem_cap_mib", "memory_method", "load_before", "wall_s", "error"]
 #: what the fork server imports once, so that each point's process starts with them loaded
 PRELOAD = ["torch", "ssogvit.bench.point", "ssogvit.layers", "ssogvit.models"]
 LAUNCHERS = ("forkserver", "spawn")
-#: a repeat's fields taken with its time, and each peak-memory measure's, where it is the best
-_TIME_FIELDS = ("time_ms", "time_ms_blocks", "time_ms_median", "time_ms_spread", "images_per_s",
-                "achieved_gflops_per_s", "load_before", "wall_s")
-_PEAK_FIELDS = {"peak_mib": ("peak_mib", "baseline_mib", "peak_total_mib", "state_mib"),
+#: a repeat's fields taken with its time, and with each peak-memory measure, where that is the lowest yet
+_BEST_FIELDS = {"time_ms": ("time_ms", "time_ms_blocks", "time_ms_median", "time_ms_spread", "images_per_s",
+                            "achieved_gflops_per_s", "load_before", "wall_s"),
+                "peak_mib": ("peak_mib", "baseline_mib", "peak_total_mib", "state_mib"),
                 "torch_peak_mib": ("torch_peak_mib",), "rss_peak_mib": ("rss_peak_mib",)}
 
 
 def _child(point: dict, conn) -> None:
-    from ssogvit.bench.point import run
-
     conn.send(run(point))
     conn.close()
 
@@ -68,12 +66,12 @@ def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: 
     with mock.patch.dict(os.environ, threads):  # the spawned interpreter's environment, restored after
         proc.start()
     send.close()
-    result = None
-    timed_out = not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
+    result, timed_out = None, not recv.poll(timeout)  # a result, or the end of the pipe when the child dies without one
     if timed_out:
         proc.kill()
-    with contextlib.suppress(EOFError):
-        result = None if timed_out else recv.recv()
+    else:
+        with contextlib.suppress(EOFError):
+            result = recv.recv()
     proc.join()
     recv.close()
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -88,16 +86,13 @@ def run_point(point: dict[str, Any], *, timeout: float | None = None, launcher: 
 
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     """Where and with what the results were measured, and the ssogvit commit (and whether its tree was modified)."""
-    import torch
-
     cpu = platform.processor() or "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     info: dict[str, Any] = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu,
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": platform.python_version(),
+        "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -114,6 +109,15 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def csv_text(rows: Sequence[dict], fields: Sequence[str] | None = None) -> str:
+    """``rows`` as CSV in the columns ``fields`` (default: every key, first seen first; other keys left out)."""
+    table = io.StringIO()
+    writer = csv.DictWriter(table, list(fields or dict.fromkeys(k for r in rows for k in r)), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return table.getvalue()
+
+
 def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: str) -> tuple[Path, Path]:
     """``{name}.json`` (meta and rows) and ``{name}.csv`` (``CSV_FIELDS``) under ``out_dir``, written atomically."""
 
@@ -121,21 +125,17 @@ def write_results(rows: Sequence[dict], meta: dict, out_dir: str | Path, name: s
         return (f"{v:.6g}" if isinstance(v, float) else "x".join(map(str, v)) if isinstance(v, list | tuple)
                 else "" if v is None else v)
 
-    out, table = Path(out_dir), io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows({k: cell(r.get(k)) for k in CSV_FIELDS} for r in rows)
+    out, table = Path(out_dir), csv_text([{k: cell(r.get(k)) for k in CSV_FIELDS} for r in rows], CSV_FIELDS)
     text = json.dumps({"meta": meta, "rows": list(rows)}, indent=1, default=str) + "\n"
-    return write_text(out / f"{name}.json", text, overwrite=True), write_text(out / f"{name}.csv", table.getvalue(),
+    return write_text(out / f"{name}.json", text, overwrite=True), write_text(out / f"{name}.csv", table,
                                                                              overwrite=True)
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
     """``(meta, rows)`` of a ``write_results`` JSON (in rows from before block timing, the mean is ``time_ms``)."""
     data = json.loads(Path(path).read_text())
-    rows = [r if "time_ms" in r or "time_ms_mean" not in r else r | {"time_ms": r["time_ms_mean"]}
-            for r in data["rows"]]
-    return data["meta"], rows
+    return data["meta"], [r if "time_ms" in r or "time_ms_mean" not in r else r | {"time_ms": r["time_ms_mean"]}
+                          for r in data["rows"]]
 
 
 def merge_repeat(best: dict, new: dict) -> dict:
@@ -147,17 +147,14 @@ def merge_repeat(best: dict, new: dict) -> dict:
     out["repeats"] = len(out["repeat_times_ms"])
     if not ok:
         return out
-    if isinstance(new.get("time_ms"), int | float) and new["time_ms"] < (out.get("time_ms") or math.inf):
-        out.update({k: new[k] for k in _TIME_FIELDS if k in new})
-    for key, fields in _PEAK_FIELDS.items():
-        lower = not isinstance(out.get(key), int | float) or new.get(key, math.inf) < out[key]
-        if isinstance(new.get(key), int | float) and lower:
+    for key, fields in _BEST_FIELDS.items():
+        best_yet = out[key] if isinstance(out.get(key), int | float) else math.inf
+        if isinstance(new.get(key), int | float) and new[key] < best_yet:
             out.update({k: new[k] for k in fields if k in new})
     return out
 
 
-def describe(row: dict) -> str:
-    """One line about a finished point."""
+def describe(row: dict) -> str:  # a line of the sweep's log
     head = f"{row.get('label', row.get('model', row.get('mixer')))} res={row.get('res')} batch={row.get('batch')}"
     if row.get("status") != "ok":
         return f"{head}: {row.get('status')} ({row.get('error', '')})"
@@ -167,19 +164,18 @@ def describe(row: dict) -> str:
 
 
 def run_sweep(points: Iterable[dict[str, Any]], *, out_dir: str | Path | None = None, name: str = "results",
-              meta: dict | None = None, timeout: float | None = None, skip_after_oom: bool = True,
-              launcher: str = "forkserver", log: Callable[[str], None] | None = None, repeats: int = 1,
+              meta: dict | None = None, timeout: float | None = None, launcher: str = "forkserver",
+              log: Callable[[str], None] | None = None, repeats: int = 1,
               repeat_below_ms: float | None = None) -> list[dict]:
     """Run points one after another (a failure is a row; the sweep goes on), the files under ``out_dir`` rewritten
-    after every point. With ``skip_after_oom`` a configuration that ran out of memory skips its larger batches. With
-    ``repeats > 1`` the points whose first time is below ``repeat_below_ms`` (all if ``None``) run again in rounds,
-    each keeping its best repeat (``merge_repeat``): interference on a shared machine only ever adds time."""
+    after every point; a configuration that ran out of memory skips its larger batches. With ``repeats > 1`` the
+    points whose first time is below ``repeat_below_ms`` (all if ``None``) run again in rounds, each keeping its best
+    repeat (``merge_repeat``): interference on a shared machine only ever adds time."""
     points, log = list(points), log or (lambda s: print(s, file=sys.stderr, flush=True))
-    rows: list[dict] = []
-    oom_at: dict[str, int] = {}  # configuration (everything but the batch) -> the smallest batch out of memory
+    rows, oom_at = [], {}  # oom_at: configuration (everything but the batch) -> the smallest batch out of memory
     for i, point in enumerate(points, 1):
         key = json.dumps({k: v for k, v in point.items() if k not in ("batch", "seed")}, sort_keys=True, default=str)
-        if skip_after_oom and int(point["batch"]) > oom_at.get(key, math.inf):
+        if int(point["batch"]) > oom_at.get(key, math.inf):
             row = dict(point, status="skipped", error=f"batch {oom_at[key]} already ran out of memory")
         else:
             row = run_point(point, timeout=timeout, launcher=launcher)

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ssogvit.layers import SSOG_IMPLS
 from ssogvit.results import markdown_table, pyplot, save_figure
 
-__all__ = [
-    "BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "baselines_of", "cell", "compare", "default_mixers",
-    "expand_impls", "fit_power_law", "format_fits", "format_model_table", "format_operator_table",
-    "format_saved_table", "model_points", "model_table", "operator_fits", "operator_points", "operator_table",
-    "parse_mixer", "parse_value", "plot_models", "plot_operator", "plot_relative", "times",
-]
+__all__ = ["BASELINE_NAMES", "PAPER_BASELINES", "PowerLaw", "cell", "compare", "default_mixers", "expand_impls",
+           "fit_power_law", "format_fits", "format_model_table", "format_operator_table", "format_saved_table",
+           "model_points", "model_table", "operator_fits", "operator_points", "operator_table", "parse_mixer",
+           "parse_value", "plot_models", "plot_operator", "plot_relative"]
 
 #: the baseline the paper benchmarks each family against, where it is not the fused ``mha``
 PAPER_BASELINES = {"ode": "mha-unfused"}
@@ -40,8 +39,7 @@ class PowerLaw:
 
 
 def fit_power_law(n: Sequence[float], y: Sequence[float]) -> PowerLaw:
-    """Fit ``y ~ coef * n^exponent`` to the positive pairs (missing or non-positive ``y`` dropped); ``ValueError``
-    with fewer than two usable points, or all ``n`` equal."""
+    """``y ~ coef * n^exponent`` over the positive pairs; ``ValueError`` with fewer than two, or all ``n`` equal."""
     pairs = [(math.log(a), math.log(b)) for a, b in zip(n, y, strict=True) if a and b and a > 0 and b > 0]
     if len(pairs) < 2:
         raise ValueError(f"a power-law fit needs at least two positive points, got {len(pairs)}")
@@ -74,13 +72,10 @@ def parse_mixer(text: str) -> tuple[str, dict[str, Any], str]:
 
 
 def expand_impls(mixers: Iterable[str], impls: Sequence[str] | None, device: str = "cpu") -> list[str]:
-    """Each SSoG mixer without an ``impl`` option once per name in ``impls`` (``["all"]``: every one that runs on
-    ``device``; the Triton kernel needs CUDA)."""
+    """Each SSoG mixer without ``impl`` once per name in ``impls`` (``["all"]``: all that run on ``device``)."""
     if not impls:
         return list(mixers)
     if list(impls) == ["all"]:
-        from ssogvit.layers import SSOG_IMPLS
-
         impls = [i for i in SSOG_IMPLS if device == "cuda" or i != "triton"]
     out = []
     for m in mixers:
@@ -103,17 +98,10 @@ def default_mixers(family: str) -> list[str]:
     return [PAPER_BASELINES[family], "mha", "ssog"] if family in PAPER_BASELINES else ["mha", "ssog"]
 
 
-def baselines_of(family: str, mixers: Sequence[str], baseline: str = "mha") -> list[str]:
-    """The baselines among ``mixers`` that ``family``'s other mixers are compared with, the paper's first."""
-    order = [PAPER_BASELINES.get(family), baseline]
-    return [b for i, b in enumerate(order) if b is not None and b in mixers and b not in order[:i]]
-
-
 def model_points(families: Sequence[str], sizes: Sequence[str], mixers: Sequence[str] | None, *,
                  resolutions: Sequence[int], batches: Sequence[int], model_kwargs: dict[str, Any] | None = None,
                  **common: Any) -> list[dict[str, Any]]:
-    """Points for ``run_sweep``, each configuration's batches smallest first; ``mixers=None``: each family's
-    ``default_mixers``."""
+    """Points for ``run_sweep``, batches smallest first; ``mixers=None``: each family's ``default_mixers``."""
     return [dict(kind="model", label=f"{family}-{size}-{mixer}", model=f"{family}-{size}-{mixer}", family=family,
                  size=size, mixer=mixer, model_kwargs=dict(model_kwargs or {}), res=res, batch=batch, **common)
             for family in families for size in sizes
@@ -156,7 +144,7 @@ def operator_fits(rows: Sequence[dict], metric: str = "peak_mib") -> dict[tuple[
     fits = {}
     for key, pts in series.items():
         with contextlib.suppress(ValueError):
-            fits[key] = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
+            fits[key] = fit_power_law(*zip(*pts))
     return fits
 
 
@@ -165,78 +153,67 @@ def _mode(r: dict) -> str:
 
 
 def model_table(rows: Sequence[dict], baseline: str = "mha") -> list[dict]:
-    """Rows tagged with their ``baseline`` and their ratios to it at the same family, size, mode, resolution and batch
-    (``compare`` by throughput, and ``memory_saved``); each family is compared with each of its ``baselines_of``
-    in turn, a group's rows appearing once per baseline."""
+    """Rows tagged with their ``baseline`` and ratios to it (``compare`` by throughput, ``memory_saved``) at the same
+    family, size, mode, resolution and batch; a group once per baseline it has, ``PAPER_BASELINES``' first."""
     out = []
     for family, size, mode in dict.fromkeys((r["family"], r["size"], _mode(r)) for r in rows):
         group = [r for r in rows if (r["family"], r["size"], _mode(r)) == (family, size, mode)]
-        bases = baselines_of(family, [r.get("mixer") for r in group], baseline) or [None]
+        mixers = {r.get("mixer") for r in group} - {None}
+        bases = [b for b in dict.fromkeys((PAPER_BASELINES.get(family), baseline)) if b in mixers] or [None]
         for name in bases:
             base = {(r["res"], r["batch"]): r for r in group if r.get("mixer") == name and _ok(r)}
             for r in (r for r in group if r.get("mixer") == name or r.get("mixer") not in bases):
-                ratios = {} if r.get("mixer") == name else compare(r, base.get((r["res"], r["batch"])),
-                                                                     "images_per_s")
+                ratios = compare(r, base.get((r["res"], r["batch"])), "images_per_s") if r.get("mixer") != name else {}
                 if "memory_ratio" in ratios:
                     ratios["memory_saved"] = 1.0 - ratios["memory_ratio"]
                 out.append(r | ratios | {"baseline": name})
     return out
 
 
-def cell(v: Any, fmt: str = ".2f") -> str:
-    """A number as a table cell, ``-`` for none."""
-    return format(v, fmt) if isinstance(v, int | float) else "-"
+def cell(v: Any, fmt: str = ".2f", unit: str = "") -> str:
+    """A number as a table cell (a ratio with ``unit="x"``: ``2.50x``), ``-`` for none."""
+    return format(v, fmt) + unit if isinstance(v, int | float) else "-"
 
 
-def times(v: Any) -> str:
-    """A ratio as a table cell (``2.50x``)."""
-    return f"{v:.2f}x" if isinstance(v, int | float) else "-"
+def _cells(r: dict, key: list, values: list) -> list:  # a failed point: its status and dashes for the values
+    return key + (values if _ok(r) else [r.get("status")] + ["-"] * (len(values) - 1))
 
 
 def format_operator_table(rows: Sequence[dict], baseline: str = "mha", matmul_peak: float | None = None) -> str:
-    """Markdown: per resolution, batch and mixer, time, memory and the ratios against ``baseline`` (with
-    ``matmul_peak`` in GFLOP/s, also each mixer's rate as a fraction of it)."""
+    """Markdown: per resolution, batch and mixer, time, memory, ratios to ``baseline`` (and rate / ``matmul_peak``,
+    in GFLOP/s, named above the table)."""
     head = ["res", "tokens", "batch", "mixer", "ms / call", "peak MiB", "GFLOP/s", f"speed-up vs {baseline}",
             "FLOP bound", "of bound", f"memory / {baseline}"] + (["of matmul peak"] if matmul_peak else [])
     lines = []
     for r in operator_table(rows, baseline):
-        cells = [r["res"], r["tokens"], r["batch"], r["label"]]
-        if not _ok(r):
-            lines.append(cells + [r.get("status")] + ["-"] * (len(head) - 5))
-            continue
         rate = r.get("achieved_gflops_per_s")
-        lines.append(cells + [cell(r.get("time_ms"), ".2f"), cell(r.get("peak_mib"), ".1f"), cell(rate, ".1f"),
-                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("of_bound"), ".0%"),
-                              times(r.get("memory_ratio"))]
-                     + ([cell((rate or 0) / matmul_peak, ".0%")] if matmul_peak else []))
-    return markdown_table(head, lines)
+        lines.append(_cells(r, [r["res"], r["tokens"], r["batch"], r["label"]], [
+            cell(r.get("time_ms")), cell(r.get("peak_mib"), ".1f"), cell(rate, ".1f"), cell(r.get("speedup"), unit="x"),
+            cell(r.get("flop_bound"), unit="x"), cell(r.get("of_bound"), ".0%"), cell(r.get("memory_ratio"), unit="x"),
+            *([cell((rate or 0) / matmul_peak, ".0%")] if matmul_peak else [])]))
+    peak = f"matmul peak (2048^3 torch.mm): {matmul_peak:.1f} GFLOP/s\n\n" if matmul_peak else ""
+    return peak + markdown_table(head, lines)
 
 
 def format_fits(rows: Sequence[dict]) -> str:
     """Markdown: the fitted exponents of memory and time against tokens, per mixer and batch."""
     mem, time = operator_fits(rows, "peak_mib"), operator_fits(rows, "time_ms")
-    lines = []
-    for key in sorted(set(mem) | set(time), key=lambda k: (k[1], k[0])):
-        m, t = mem.get(key), time.get(key)
-        lines.append([key[0], key[1], cell(m and m.exponent, ".3f"), cell(m and m.r2, ".4f"),
-                      cell(t and t.exponent, ".3f"), cell(t and t.r2, ".4f"), (m or t).points])
+    fits = [(k, mem.get(k), time.get(k)) for k in sorted(set(mem) | set(time), key=lambda k: (k[1], k[0]))]
+    lines = [[k[0], k[1], cell(m and m.exponent, ".3f"), cell(m and m.r2, ".4f"), cell(t and t.exponent, ".3f"),
+              cell(t and t.r2, ".4f"), (m or t).points] for k, m, t in fits]
     return markdown_table(["mixer", "batch", "memory ~ N^k: k", "R^2", "time ~ N^k: k", "R^2", "points"], lines)
 
 
 def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
-    """Markdown: throughput and memory, with the ratios against each row's baseline (named in the table); with rows
-    of several modes (``--mode inference train``), the mode of each."""
-    lines, modes = [], len({_mode(r) for r in rows}) > 1  # a mode column when the run measured several
+    """Markdown: throughput, memory and ratios to each row's (named) baseline; a mode column if rows have several."""
+    lines, modes = [], len({_mode(r) for r in rows}) > 1
     for r in model_table(rows, baseline):
         b = r["baseline"]
-        cells = [r["label"], "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b),
-                 *([_mode(r)] if modes else []), r["res"], r["batch"]]
-        if not _ok(r):
-            lines.append(cells + [r.get("status")] + ["-"] * 6)
-            continue
-        lines.append(cells + [cell(r.get("images_per_s"), ".2f"), cell(r.get("time_ms"), ".1f"),
-                              cell(r.get("peak_mib"), ".1f"), cell(r.get("gflops_per_image"), ".1f"),
-                              times(r.get("speedup")), times(r.get("flop_bound")), cell(r.get("memory_saved"), ".0%")])
+        compared = "-" if b is None else "(baseline)" if r.get("mixer") == b else BASELINE_NAMES.get(b, b)
+        lines.append(_cells(r, [r["label"], compared, *([_mode(r)] if modes else []), r["res"], r["batch"]], [
+            cell(r.get("images_per_s")), cell(r.get("time_ms"), ".1f"), cell(r.get("peak_mib"), ".1f"),
+            cell(r.get("gflops_per_image"), ".1f"), cell(r.get("speedup"), unit="x"),
+            cell(r.get("flop_bound"), unit="x"), cell(r.get("memory_saved"), ".0%")]))
     return markdown_table(["model", "compared with", *(["mode"] if modes else []), "res", "batch", "img/s",
                            "ms / batch", "peak MiB", "GFLOPs / img", "speed-up", "FLOP bound", "memory saved"], lines)
 
@@ -244,7 +221,7 @@ def format_model_table(rows: Sequence[dict], baseline: str = "mha") -> str:
 def format_saved_table(rows: Sequence[dict]) -> str:
     """Where a training step's bytes go (``--mode train``): per point, the step's peak beside what its forward saves
     for backward and the gradients (the larger is a lower bound of the peak, ``memory.saved_for_backward``), then
-    what each module saves. Empty when no row has the breakdown."""
+    what each module saves, under a heading. Empty when no row has the breakdown."""
     rows = [r for r in rows if _ok(r) and r.get("saved_by_module")]
     if not rows:
         return ""
@@ -253,27 +230,29 @@ def format_saved_table(rows: Sequence[dict]) -> str:
         bound = max(r["saved_mib"], r.get("grads_mib") or 0.0)
         ratio = r["peak_mib"] / bound if r.get("peak_mib") and bound else None
         steps.append([r["label"], r["res"], r["batch"], cell(r.get("peak_mib"), ".1f"), cell(r.get("saved_mib"), ".1f"),
-                      cell(r.get("grads_mib"), ".1f"), times(ratio), cell(r.get("state_mib"), ".1f")])
+                      cell(r.get("grads_mib"), ".1f"), cell(ratio, unit="x"), cell(r.get("state_mib"), ".1f")])
     modules = [[r["label"], r["res"], r["batch"], module, f"{mib / calls:.2f}", calls, f"{mib:.1f}",
                 f"{mib / r['saved_mib']:.0%}"] for r in rows for module, (mib, calls) in r["saved_by_module"].items()]
-    return (markdown_table(["model", "res", "batch", "step peak MiB", "saved for backward MiB", "gradients MiB",
-                            "peak / lower bound", "parameters + optimizer MiB"], steps) + "\n"
+    return ("\nWhere the bytes go\n\n"
+            + markdown_table(["model", "res", "batch", "step peak MiB", "saved for backward MiB", "gradients MiB",
+                              "peak / lower bound", "parameters + optimizer MiB"], steps) + "\n"
             + markdown_table(["model", "res", "batch", "module", "MiB per application", "applications", "MiB",
                               "share"], modules))
 
 
 # -- figures (PNG, in the paper's form; None: nothing to draw) -----------------------------------------------------
 
-_STYLES = ["-", "--", ":", "-."]
-_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+_STYLES, _MARKERS = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
-def _line(ax, pts: Sequence[tuple], k: int, label: str, i: int, j: int = 0, scale: float = 1.0) -> None:
-    """Draw column ``k`` (times ``scale``) of ``pts`` against column 0, where it is not ``None``."""
-    pts = [p for p in pts if p[k] is not None]
-    if pts:
-        ax.plot([p[0] for p in pts], [scale * p[k] for p in pts], label=label, marker=_MARKERS[i % len(_MARKERS)],
-                linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
+def _lines(ax, rows: Sequence[dict], y: str, label: str, i: int, batches: Sequence[int], scale: float = 1.0, *,
+           name_batch: bool = True) -> None:
+    """``scale * y`` of ``rows`` against resolution, where known: colour and marker ``i``, a line style per batch."""
+    for j, b in enumerate(batches):
+        pts = sorted((r["res"], scale * r[y]) for r in rows if r["batch"] == b and r.get(y) is not None)
+        if pts:
+            ax.plot(*zip(*pts), label=label + (f", batch {b}" if name_batch else ""),
+                    marker=_MARKERS[i % len(_MARKERS)], linestyle=_STYLES[j % len(_STYLES)], color=f"C{i}")
 
 
 def _finish(fig, axes, path: str | Path, fontsize: int) -> Path:
@@ -292,17 +271,13 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     if not table:
         return None
     fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    batches = sorted({r["batch"] for r in table})
-    modes = {_mode(r) for r in table}
+    batches, modes = sorted({r["batch"] for r in table}), {_mode(r) for r in table}
     keys = dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)
     for i, key in enumerate(keys):
-        for j, b in enumerate(batches):
-            pts = sorted((r["res"], r["speedup"], r.get("memory_saved")) for r in table
-                         if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key and r["batch"] == b)
-            label = (f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
-                     + (f", batch {b}" if len(batches) > 1 else ""))
-            _line(ax_t, pts, 1, label, i, j)
-            _line(ax_m, pts, 2, label, i, j, 100)
+        group = [r for r in table if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key]
+        label = f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
+        _lines(ax_t, group, "speedup", label, i, batches, name_batch=len(batches) > 1)
+        _lines(ax_m, group, "memory_saved", label, i, batches, 100, name_batch=len(batches) > 1)
     ax_t.axhline(1.0, color="grey", lw=0.8)
     ax_m.axhline(0.0, color="grey", lw=0.8)
     ax_t.set(xlabel="resolution (px)", ylabel="throughput / baseline throughput", title="Relative throughput")
@@ -311,8 +286,7 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
 
 
 def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
-    """Throughput (top) and peak memory (bottom) against resolution, one column per family, one line per mixer and
-    batch size."""
+    """Throughput (top) and peak memory (bottom) against resolution: a column per family, a line per mixer and batch."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return None
@@ -321,11 +295,9 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
     mixers, batches = sorted({r["mixer"] for r in ok}), sorted({r["batch"] for r in ok})
     for c, fam in enumerate(families):
         for i, mixer in enumerate(mixers):
-            for j, b in enumerate(batches):
-                pts = sorted((r["res"], r.get("images_per_s"), r.get("peak_mib")) for r in ok
-                             if (r["family"], r["size"], _mode(r)) == fam and r["mixer"] == mixer and r["batch"] == b)
-                for k in (1, 2):
-                    _line(axes[k - 1][c], pts, k, f"{BASELINE_NAMES.get(mixer, mixer)}, batch {b}", i, j)
+            group = [r for r in ok if (r["family"], r["size"], _mode(r)) == fam and r["mixer"] == mixer]
+            for ax, y in ((axes[0][c], "images_per_s"), (axes[1][c], "peak_mib")):
+                _lines(ax, group, y, BASELINE_NAMES.get(mixer, mixer), i, batches)
         axes[0][c].set(title=f"{fam[0]}-{fam[1]}, {fam[2]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
                        yscale="log")
         axes[1][c].set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")
@@ -333,8 +305,7 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
 
 
 def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
-    """Operator peak memory (left) and time (right) against tokens, log-log, with the fitted ``N^k`` lines and their
-    exponents in the legend."""
+    """Operator peak memory (left) and time (right) against tokens, log-log, with fitted ``N^k`` lines (k in legend)."""
     from matplotlib.ticker import NullFormatter
 
     ok = [r for r in rows if r.get("status") == "ok"]
@@ -352,8 +323,7 @@ def plot_operator(rows: Sequence[dict], path: str | Path) -> Path | None:
             if pts:
                 fit = fits.get(key)
                 label = f"{key[0]} (batch {key[1]})" + (f": k = {fit.exponent:.2f}" if fit else "")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], _MARKERS[i % len(_MARKERS)], color=f"C{i}",
-                        label=label)
+                ax.plot(*zip(*pts), _MARKERS[i % len(_MARKERS)], color=f"C{i}", label=label)
                 if fit:
                     ax.plot([pts[0][0], pts[-1][0]], [fit(pts[0][0]), fit(pts[-1][0])], "-", color=f"C{i}", lw=1)
         ax.set(xscale="log", yscale="log", xlabel="tokens N (class token included)", ylabel=ylabel, title=title)
