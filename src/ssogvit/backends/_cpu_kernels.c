@@ -521,8 +521,9 @@ int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
         SSOG_UNITS_END                                                                                                \
     }
 
-SSOG_QUERY_ROWS(query_rows_f32, float, f32_vec, f32_mask, f32_ints, expf, FLT_MAX, FLT_MIN, -87.33654f) /* log(FLT_MIN) */
-SSOG_QUERY_ROWS(query_rows_f64, double, f64_vec, f64_mask, f64_ints, exp, DBL_MAX, DBL_MIN, -708.3964) /* log(DBL_MIN) */
+/* LOW: log(FLT_MIN), log(DBL_MIN) */
+SSOG_QUERY_ROWS(query_rows_f32, float, f32_vec, f32_mask, f32_ints, expf, FLT_MAX, FLT_MIN, -87.33654f)
+SSOG_QUERY_ROWS(query_rows_f64, double, f64_vec, f64_mask, f64_ints, exp, DBL_MAX, DBL_MIN, -708.3964)
 SSOG_GEMM(gemm_f32, float, f32_vec)
 SSOG_GEMM(gemm_f64, double, f64_vec)
 SSOG_GEMM_NT(gemm_nt_f32, float, f32_vec)
@@ -533,8 +534,10 @@ SSOG_ROW_GRAD(row_grad_f32, float)
 SSOG_ROW_GRAD(row_grad_f64, double)
 SSOG_MIX(ssog_mix_f32, query_rows_f32, gemm_f32, float)
 SSOG_MIX(ssog_mix_f64, query_rows_f64, gemm_f64, double)
-SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad_f32, float, f32_vec, f32_ints, FLT_MIN)
-SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, f64_vec, f64_ints, DBL_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f32, query_rows_f32, gemm_f32, gemm_bt_f32, row_grad_f32, float, f32_vec, f32_ints,
+              FLT_MIN)
+SSOG_MIX_GRAD(ssog_mix_grad_f64, query_rows_f64, gemm_f64, gemm_bt_f64, row_grad_f64, double, f64_vec, f64_ints,
+              DBL_MIN)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f32, gemm_f32, gemm_nt_f32, gemm_bt_f32, float)
 SSOG_FIXED_GRAD(ssog_fixed_grad_f64, gemm_f64, gemm_nt_f64, gemm_bt_f64, double)
 SSOG_AXIS_KERNELS(ssog_axis_kernels_f32, query_rows_f32, float)

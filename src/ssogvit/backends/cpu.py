@@ -418,7 +418,8 @@ def _field_mix_grad(ctx, grad: Tensor):
 
 def _core_rows(mu: Tensor, scale: Tensor, length: int) -> Tensor:
     """``cpu_axis_kernels`` by ``core``'s differentiable operations."""
-    return core.gaussian_rows(core.grid_offsets(length, mu.dtype, mu.device), mu[..., None, None], scale[..., None, None])
+    delta = core.grid_offsets(length, mu.dtype, mu.device)
+    return core.gaussian_rows(delta, mu[..., None, None], scale[..., None, None])
 
 
 _axis_kernels.register_autograd(_axis_kernels_grad, setup_context=_save_axis)

@@ -102,6 +102,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**20 / total), device)
         elif cap:
             memory.cap_address_space(float(cap))
+        else:  # a capped point is about memory; its address space is not spent on kept pages
+            result["malloc_keeps_freed"] = memory.keep_freed_memory()
         if cap:
             result["mem_cap_mib"] = cap
         stage = "build"
