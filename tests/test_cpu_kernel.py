@@ -234,6 +234,22 @@ def test_the_field_mixing_equals_autograd_through_the_dense_reference(dtype, gri
             assert x.dtype == dtype and _close(x, y, tol), (impl, name)
 
 
+@pytest.mark.parametrize("impl", ["cpu", "stacked"])
+def test_the_field_mixing_refuses_a_field_that_does_not_fit_the_values(impl):
+    """A width the heads do not divide, weights that are not ``(H, R)``, a centre table of another shape or a
+    temperature per head of another count: a ``ValueError`` naming the shapes, before any backend (the C kernel
+    would mix part of each row and leave the rest unwritten)."""
+    mu, sigma = torch.zeros(4, 2, 2), torch.ones(4, 2, 2)
+    lam, tau = torch.full((4, 2), 0.5), torch.tensor(0.7)
+    cases = [(torch.randn(1, 13, 10), mu, sigma, lam, tau),
+             (torch.randn(1, 13, 8), mu, sigma, torch.tensor(1.0), tau),
+             (torch.randn(1, 13, 8), mu[:, :1], sigma, lam, tau),
+             (torch.randn(1, 13, 8), mu, sigma, lam, torch.ones(5))]
+    for values, *field in cases:
+        with pytest.raises(ValueError, match="expected mu and sigma"):
+            ops.ssog_mix_field(values, (3, 4), *field, impl=impl)
+
+
 def test_a_gradient_penalty_through_the_field_mixing_equals_einsum():
     """``create_graph=True`` through ``cpu_field_mix`` (its backward then runs on ``core``'s operations): d/dv and
     d/dmu of |d(sum y^2)/dmu|, against the einsum path."""

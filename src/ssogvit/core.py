@@ -20,6 +20,7 @@ from torch import Tensor
 
 __all__ = [
     "axis_kernels",
+    "axis_rows",
     "check_grid",
     "field_sigma",
     "field_tau",
@@ -338,10 +339,15 @@ def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor) -> Tensor:
     Returns:
         Kernels of shape ``S + (L, L)`` in ``position_dtype(mu.dtype)``; each row sums to 1.
     """
-    dtype = position_dtype(mu.dtype)
-    delta = grid_offsets(length, dtype, mu.device)  # (L, L): source j minus query i, exact integers
     scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
-    return gaussian_rows(delta, mu.to(dtype)[..., None, None], scale[..., None, None])
+    return axis_rows(length, mu.to(position_dtype(mu.dtype)), scale)
+
+
+def axis_rows(length: int, mu: Tensor, scale: Tensor) -> Tensor:
+    """``axis_kernels`` of the centres and their ``kernel_scale``, both of shape ``S`` in ``position_dtype``:
+    ``S + (L, L)``."""
+    delta = grid_offsets(length, mu.dtype, mu.device)  # (L, L): source j minus query i, exact integers
+    return gaussian_rows(delta, mu[..., None, None], scale[..., None, None])
 
 
 def prefix_pool(patches: Tensor, num_prefix: int) -> Tensor:

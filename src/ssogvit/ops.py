@@ -61,8 +61,7 @@ def backend_for(kind: str, impl: str, values: Tensor, *operands: Tensor) -> str:
     or ``"steered"``, operands the geometry's inputs): ``impl`` itself when asked for by name (a ``RuntimeError``
     with the reason where it cannot), else the first of ``AUTO_ORDER`` whose probe takes it. Under tracing and
     export (``core.functional_only``) ``"auto"`` and ``"stacked"`` are ``"einsum"``: no writes into buffers there."""
-    if impl not in SSOG_IMPLS:
-        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+    _check_impl(impl)
     if impl == "einsum" or (impl in ("auto", "stacked") and functional_only()):
         return "einsum"
     if impl != "auto":
@@ -73,13 +72,17 @@ def backend_for(kind: str, impl: str, values: Tensor, *operands: Tensor) -> str:
     return next(name for name in AUTO_ORDER if _BACKENDS[name].unsupported(kind, values, *operands, auto=True) is None)
 
 
+def _check_impl(impl: str) -> None:
+    if impl not in SSOG_IMPLS:
+        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+
+
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor | float, *, impl: str = "auto") -> Tensor:
     """``core.axis_kernels`` (arguments as there), by the C kernel where ``impl`` (``"auto"`` or ``"cpu"``) lets it
     and it takes the field (float32 or float64 CPU tensors of one shape; not under tracing or export), else by
     ``core``'s torch operations. ``impl`` names the implementation of the mixing the tables are for
     (``SSOG_IMPLS``)."""
-    if impl not in SSOG_IMPLS:
-        raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
+    _check_impl(impl)
     if impl in ("auto", "cpu") and not functional_only() and cpu.unsupported("fixed", mu, sigma, auto=True) is None:
         scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
         if scale.shape == mu.shape:
@@ -177,10 +180,12 @@ def ssog_mix_field(
         impl, inplace, head_chunk: as ``ssog_mix``'s.
     """
     gh, gw, _ = check_grid(values.shape[1], grid)
-    h = lam.shape[0] if lam.ndim == 2 else 0
-    if mu.shape != (h, lam.shape[-1], 2) or sigma.shape != mu.shape:
-        raise ValueError(f"expected mu and sigma (H, R, 2) and lam (H, R), got {tuple(mu.shape)}, "
-                         f"{tuple(sigma.shape)} and {tuple(lam.shape)}")
+    h, r = lam.shape if lam.ndim == 2 else (0, 0)  # no heads: refused below
+    if (not h or mu.shape != (h, r, 2) or sigma.shape != mu.shape or tau.shape not in ((), (h,))
+            or values.shape[-1] % h):
+        raise ValueError(f"expected mu and sigma (H, R, 2), lam (H, R) and tau () or (H,) with H dividing the values' "
+                         f"width {values.shape[-1]}, got {tuple(mu.shape)}, {tuple(sigma.shape)}, {tuple(lam.shape)} "
+                         f"and {tuple(tau.shape)}")
     tau = tau[:, None] if tau.ndim else tau  # against (H, R)
     if (impl in ("auto", "cpu") and not inplace and not functional_only()
             and cpu.unsupported("fixed", values, mu, sigma, lam, auto=impl == "auto") is None):

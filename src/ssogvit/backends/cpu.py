@@ -273,7 +273,7 @@ def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tenso
 
 @torch.library.custom_op("ssogvit::cpu_axis_kernels", mutates_args=(), device_types="cpu")
 def _axis_kernels(mu: Tensor, scale: Tensor, length: int) -> Tensor:
-    """``core.axis_kernels`` by the kernel: centres and ``core.kernel_scale`` of one axis, any shape ``S`` (one
+    """``core.axis_rows`` by the kernel: centres and ``core.kernel_scale`` of one axis, any shape ``S`` (one
     dtype), to the kernels ``S + (length, length)``."""
     return _axis_rows(mu, scale, length)
 
@@ -403,23 +403,17 @@ def _save_axis(ctx, inputs, output) -> None:
 def _axis_kernels_grad(ctx, grad: Tensor):
     kernels, mu, scale = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate again, by core's ops
-        return *graph_grads(lambda m, s: _core_rows(m, s, kernels.shape[-1]), (mu, scale), grad), None
+        return *graph_grads(lambda m, s: core.axis_rows(kernels.shape[-1], m, s), (mu, scale), grad), None
     return *_axis_kernels_backward(grad, kernels, mu, scale), None
 
 
 def _field_mix_grad(ctx, grad: Tensor):
     if torch.is_grad_enabled():  # create_graph=True, as above
         (gh, gw), saved = ctx.grid, ctx.saved_tensors
-        mix = lambda v, m, s, lam: core.mix_fixed(v, (gh, gw), _core_rows(m[..., 0], s[..., 0], gh),  # noqa: E731
-                                                  _core_rows(m[..., 1], s[..., 1], gw), lam)
+        mix = lambda v, m, s, lam: core.mix_fixed(v, (gh, gw), core.axis_rows(gh, m[..., 0], s[..., 0]),  # noqa: E731
+                                                  core.axis_rows(gw, m[..., 1], s[..., 1]), lam)
         return *graph_grads(mix, saved, grad), None, None
     return *_field_mix_backward(grad, *ctx.saved_tensors, *ctx.grid), None, None
-
-
-def _core_rows(mu: Tensor, scale: Tensor, length: int) -> Tensor:
-    """``cpu_axis_kernels`` by ``core``'s differentiable operations."""
-    delta = core.grid_offsets(length, mu.dtype, mu.device)
-    return core.gaussian_rows(delta, mu[..., None, None], scale[..., None, None])
 
 
 _axis_kernels.register_autograd(_axis_kernels_grad, setup_context=_save_axis)
