@@ -170,6 +170,30 @@ def test_kernel_cache_follows_parameter_updates():
     torch.testing.assert_close(y1, y_fresh.detach())
 
 
+@pytest.mark.parametrize("update", ["fused_adamw", "data_write"])
+def test_kernel_cache_follows_updates_that_keep_the_version_counter(update):
+    """A fused optimizer step and a `.data` write change the field without bumping `_version`: an eval forward after
+    either must use the new field (it once reused the tables of the old one)."""
+    m = create_mixer("ssog", 16, 2)
+    x = torch.randn(1, 1 + 20, 16)
+    with torch.no_grad():
+        m.eval()(x, grid=(4, 5))  # fills the cache
+    versions = [p._version for p in (m.mu, m.rho, m.ell, m.theta)]
+    if update == "fused_adamw":
+        m.train()(x, grid=(4, 5)).square().sum().backward()
+        torch.optim.AdamW(m.parameters(), lr=0.1, fused=True).step()
+    else:
+        m.mu.data += 0.5
+    assert [p._version for p in (m.mu, m.rho, m.ell, m.theta)] == versions  # the premise: nothing was bumped
+    m.eval()
+    with torch.no_grad():
+        cached = m(x, grid=(4, 5))
+    fresh = create_mixer("ssog", 16, 2, cache_kernels=False).eval()
+    fresh.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(cached, fresh(x, grid=(4, 5)), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["mha", "mha-unfused", "ssog", "ssog-steered"])
 def test_mixers_survive_deepcopy_and_give_their_attention_matrix(name):
     m = create_mixer(name, 16, 4).eval()

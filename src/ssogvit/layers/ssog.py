@@ -174,17 +174,22 @@ class SSoGAttention(nn.Module):
     def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """``(K^y, K^x, lambda)`` in ``dtype``; in inference (no grad, not traced or compiled) kept until the parameters
         or the grid change. Under ``torch.compile`` the tables are always built, inside the compiled graph: the cache
-        is Python state the compiler would have to guard on."""
+        is Python state the compiler would have to guard on.
+
+        The cache is keyed by the field parameters' values (a copy of these few numbers, compared exactly), not by
+        their version counters: PyTorch's fused optimizers (``AdamW(fused=True)``) and ``.data`` writes change a
+        parameter without bumping its version, which left stale tables in use."""
         use_cache = self._tables_cached()
         if use_cache:
-            params = (self.mu, self.rho, self.ell, self.theta)
-            key = (tuple(grid), dtype, self.mu.device) + tuple((p.data_ptr(), p._version) for p in params)
-            if self._kernel_cache is not None and self._kernel_cache[0] == key:
-                return self._kernel_cache[1]
+            values = tuple(p.detach() for p in (self.mu, self.rho, self.ell, self.theta))
+            cached = self._kernel_cache
+            if (cached is not None and cached[0] == (tuple(grid), dtype, self.mu.device)
+                    and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(cached[1], values))):
+                return cached[2]
         ky, kx = self.axis_kernels(grid)
         tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype))
         if use_cache:
-            self._kernel_cache = (key, tables)
+            self._kernel_cache = ((tuple(grid), dtype, self.mu.device), tuple(v.clone() for v in values), tables)
         return tables
 
     def _steering(self) -> tuple[Tensor, ...]:
