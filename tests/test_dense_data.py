@@ -30,7 +30,7 @@ def test_scenes_are_a_function_of_their_seed_and_index():
 
 
 def test_training_and_validation_scenes_draw_from_disjoint_source_images():
-    dm, split = scenes(), load_digits_split(0.2, 0)
+    dm, split = scenes(), load_digits_split(0.2, 0, test_fraction=0)
     assert np.array_equal(dm.train_set.images, split["train"][0]) and np.array_equal(dm.val_set.images, split["val"][0])
     train = {im.tobytes() for im in dm.train_set.images}
     assert len(train) == len(dm.train_set.images) and not train & {im.tobytes() for im in dm.val_set.images}

@@ -107,3 +107,22 @@ def test_resumed_runs_take_the_later_launch_for_an_epoch(runs, tmp_path):
     (run / "logs" / "version_0" / "metrics.csv").write_text(head + "0,5,2.1,,\n")
     with pytest.raises(ReportError, match="no epoch of the run has finished"):
         read_run(run)
+
+
+def test_report_reads_the_test_split_and_writes_a_sweep_table_apart_from_comparisons(runs, tmp_path):
+    root, paper, plain = runs
+    log = read_run(plain)
+    with open(plain / "logs" / "version_0" / "metrics.csv") as f:
+        tested = [float(r["test/top1"]) for r in csv.DictReader(f) if r.get("test/top1")]
+    assert len(tested) == 1 and log.test_top1 == tested[0]  # the final weights on the held-out digits, once
+    other = root / "vit_digits_lr"  # the same run at another learning rate: together they are a sweep
+    train(compose(["model=vit", *TINY, "optim.lr=1e-3", f"output_dir={other}"]), verbose=False)
+    p = ssogvit("report", plain, other, "--out", tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    sweep = (tmp_path / "out" / "sweep.md").read_text()
+    rows = [ln for ln in sweep.splitlines() if ln.startswith("| vit-tiny-ssog_digits |")]
+    assert len(rows) == 2 and sum("**chosen**" in r for r in rows) == 1
+    assert {r.split("|")[3].strip() for r in rows} == {"optim.lr=0.001", "optim.lr=0.002"}  # only what varies
+    finals = {r.split("|")[3].strip(): float(r.split("|")[4].split()[0]) for r in rows}
+    chosen = next(r.split("|")[3].strip() for r in rows if "**chosen**" in r)
+    assert finals[chosen] == max(finals.values())  # the best final validation top-1

@@ -1,5 +1,6 @@
-"""`ssogvit main`: the table (mean ± sd and every seed, both heads), the run folders, the curves, the target and the
-refusals; the same numbers whichever process arrangement trains them; (slow) the default job meets its target."""
+"""`ssogvit main`: the comparison tables (test top-1 with 95% intervals, paired gaps, learning speed), the run
+folders, comparison.md and the curves, exit 0 whatever the comparison shows, the same numbers whichever process
+arrangement trains them, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,40 +10,47 @@ import sys
 
 import pytest
 
-from ssogvit.train.curves import read_epoch_metrics
 from ssogvit.train.main_job import load_plan, main
+from ssogvit.train.report import read_run
 
 SHORT = ["--epochs", "1", "--seeds", "0,1", "--mixers", "ssog,mha", "--no-progress", "trainer.limit_train_batches=2",
          "trainer.limit_val_batches=1"]
-ROW = r"^{model}\s+{head} {mark}\s+\d+\.\dk\s+(\d+\.\d\d) ±\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d{{4}})"
+# a row of the models table: | vit | avg | ssog | 12.34 ± 5.67 | 10.00, 14.68 | ... |
+ROW = r"^\| vit \| {head} \| {mixer} \| (-?\d+\.\d\d) ± (\d+\.\d\d|nan) \| (\d+\.\d\d), (\d+\.\d\d) \|"
+GAP = r"^\| vit \| own \(avg vs token\) \| ssog - mha \| \*\*([-+]\d+\.\d\d) ± (\d+\.\d\d|nan)\*\* \| ([-+]\d+\.\d\d), ([-+]\d+\.\d\d) \| ssog (leads|trails|no clear difference) \|"
 
 
-def _rows(text: str, models: tuple[str, ...] = ("vit-tiny-ssog", "vit-tiny-mha")) -> dict[tuple[str, str], tuple]:
+def _rows(text: str, mixers: tuple[str, ...] = ("ssog", "mha")) -> dict[str, tuple]:
     rows = {}
-    for model, head, mark in (("vit-tiny-ssog", "avg", r"\*"), ("vit-tiny-ssog", "token", " "),
-                              ("vit-tiny-mha", "token", r"\*"), ("vit-tiny-mha", "avg", " ")):
-        if model not in models:
+    for mixer, head in (("ssog", "avg"), ("mha", "token")):
+        if mixer not in mixers:
             continue
-        found = re.search(ROW.format(model=model, head=head, mark=mark), text, flags=re.M)
-        assert found, f"no row for {model} {head} in:\n{text}"
-        rows[(model, head)] = tuple(float(g) for g in found.groups())
+        found = re.search(ROW.format(mixer=mixer, head=head), text, flags=re.M)
+        assert found, f"no row for {mixer} {head} in:\n{text}"
+        rows[mixer] = found.groups()
     return rows
 
 
-def test_main_job_table_folders_curves_target_and_a_fresh_folder(tmp_path, capsys):
+def test_main_job_tables_folders_curves_exit_0_and_a_fresh_folder(tmp_path, capsys):
     out = tmp_path / "main"
     code = main(["--out", str(out), "--jobs", "2", *SHORT])
     text = capsys.readouterr().out
-    assert code == 1 and "target NOT reached" in text  # two steps cannot reach the target, and the job says so
+    assert code == 0  # every run finished: the job succeeds whatever the comparison shows
     rows = _rows(text)
-    for (model, head), (mean, sd, seed0, seed1, loss) in rows.items():
-        assert mean == pytest.approx((seed0 + seed1) / 2, abs=0.006) and sd >= 0 and loss > 0
-        mixer = model.removeprefix("vit-tiny-")
+    for mixer, (mean, half, seed0, seed1) in rows.items():
+        assert float(mean) == pytest.approx((float(seed0) + float(seed1)) / 2, abs=0.006)
+        head = "avg" if mixer == "ssog" else "token"
         for seed, top1 in ((0, seed0), (1, seed1)):
             folder = out / mixer / head / f"seed{seed}"
             assert (folder / "checkpoints" / "last.ckpt").is_file()
             assert (folder / "export" / "model.safetensors").is_file()
-            assert round(read_epoch_metrics(folder)["val/top1"][0], 2) == top1  # the table is the run's log
+            assert f"{read_run(folder).test_top1:.2f}" == top1  # the table is the run's logged test top-1
+    gap = re.search(GAP, text, flags=re.M)
+    assert gap, text
+    per_seed = [float(rows["ssog"][2]) - float(rows["mha"][2]), float(rows["ssog"][3]) - float(rows["mha"][3])]
+    assert [float(gap.group(3)), float(gap.group(4))] == pytest.approx(per_seed, abs=0.011)  # paired by seed
+    assert float(gap.group(1)) == pytest.approx(sum(per_seed) / 2, abs=0.011)
+    assert (out / "comparison.md").read_text().startswith("Each model's test top-1")
     assert f"training curves: {out / 'curves.png'}" in text
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "ssog-steered").exists()  # --mixers chose
@@ -54,7 +62,7 @@ def test_main_job_table_folders_curves_target_and_a_fresh_folder(tmp_path, capsy
     assert f"{out} holds another run; writing to {out}-2" in again
     assert (tmp_path / "main-2" / "ssog" / "avg" / "seed1" / "export" / "model.safetensors").is_file()
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"} == before
-    assert _rows(again, ("vit-tiny-ssog",)) == {k: v for k, v in rows.items() if k[0] == "vit-tiny-ssog"}
+    assert _rows(again, ("ssog",)) == {"ssog": rows["ssog"]}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -91,18 +99,19 @@ def test_the_plan_is_data_and_names_packaged_experiments():
     plan = load_plan()
     assert [r["experiment"] for r in plan["runs"]] == ["digits8_vit_ssog", "digits8_vit_ssog_steered",
                                                         "digits8_vit_mha"]
-    assert plan["seeds"] == [0, 1, 2] and set(plan["target"]) == {"margin", "min_top1"}
+    assert plan["seeds"] == [0, 1, 2] and "target" not in plan  # no gate on the science
     heads = {}
     for entry in plan["runs"]:
         cfg = compose([f"experiment={entry['experiment']}"])
         assert (cfg.data.img_size // cfg.model.kwargs.patch_size) == 8  # an 8x8 grid of tokens
         heads[str(cfg.model.mixer)] = str(cfg.model.kwargs.global_pool)
+        assert entry["heads"] == [heads[str(cfg.model.mixer)]]  # each trained with its own head
     assert heads == {"ssog": "avg", "ssog-steered": "avg", "mha": "token"}  # each mixer's own head
 
 
 @pytest.mark.slow
-def test_main_job_meets_its_target(tmp_path, capsys):
+def test_the_default_main_job_finishes_with_status_0(tmp_path, capsys):
     code = main(["--out", str(tmp_path / "main"), "--no-progress"])
     text = capsys.readouterr().out
     print(text)
-    assert code == 0 and "target reached" in text
+    assert code == 0 and "ssog-steered - mha" in text and (tmp_path / "main" / "comparison.md").is_file()

@@ -103,13 +103,15 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None  # a held-out split, where the dataset has one (digits)
 
     # subclasses ---------------------------------------------------------------------------------------------------
     in_chans: int = 3
     num_classes: int = 0
     classes: list[str] = []
 
-    def build_datasets(self) -> tuple[Dataset, Dataset]:
+    def build_datasets(self) -> tuple[Dataset, ...]:
+        """`(train, val)`, or `(train, val, test)` for a dataset with a held-out test split."""
         raise NotImplementedError
 
     # Lightning ----------------------------------------------------------------------------------------------------
@@ -132,7 +134,8 @@ class ClassificationDataModule(pl.LightningDataModule):
         """Build the datasets once; refused first (`check_memory`) if one batch of images cannot fit in memory."""
         if self.train_set is None:
             self.check_memory()
-            self.train_set, self.val_set = self.build_datasets()
+            self.train_set, self.val_set, *test = self.build_datasets()
+            self.test_set = test[0] if test else None
 
     def _loader(self, dataset: Dataset, *, train: bool) -> DataLoader:
         return DataLoader(
@@ -153,5 +156,14 @@ class ClassificationDataModule(pl.LightningDataModule):
         self.setup("validate")
         return self._loader(self.val_set, train=False)
 
+    @property
+    def has_test(self) -> bool:
+        """Whether the dataset has a held-out test split (`test_dataloader` reads it)."""
+        self.setup("test")
+        return self.test_set is not None
+
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        """The held-out test split; a dataset without one has no test loader (its validation split is not one)."""
+        if not self.has_test:
+            raise ValueError(f"the {self.name} data have no test split")
+        return self._loader(self.test_set, train=False)

@@ -119,7 +119,7 @@ class DigitScenesDataModule(SegmentationDataModule):
                     ink=self.ink)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        split = load_digits_split(self.val_fraction, self.split_seed)
+        split = load_digits_split(self.val_fraction, self.split_seed, test_fraction=0)  # scenes: train / val only
         return (
             DigitScenes(*split["train"], split="train", num_scenes=self.num_train_scenes,
                         transform=self.train_transform(), **self.scene_options()),

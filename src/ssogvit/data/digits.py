@@ -17,10 +17,14 @@ from ._common import ClassificationDataModule
 __all__ = ["DigitsDataset", "DigitsDataModule", "load_digits_split"]
 
 
-def load_digits_split(val_fraction: float = 0.2, split_seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The fixed train/validation split: uint8 images `(n, 8, 8)` in [0, 255] and int64 labels.
+def load_digits_split(val_fraction: float = 0.15, split_seed: int = 0, test_fraction: float = 0.15,
+                      ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The fixed train / validation / test split: uint8 images `(n, 8, 8)` in [0, 255] and int64 labels.
 
-    The split is stratified by class and depends only on `val_fraction` and `split_seed`.
+    Stratified by class: each class's images are shuffled once (`split_seed`), the first `test_fraction` of them
+    go to "test", the next `val_fraction` to "val", the rest to "train". It depends only on the two fractions and
+    `split_seed`, and the test images do not depend on `val_fraction`. With the defaults: 1257 / 270 / 270 images.
+    `test_fraction=0` gives no "test" entry (the split of earlier versions, train / val only, with the same val).
     """
     from sklearn.datasets import load_digits
 
@@ -28,14 +32,16 @@ def load_digits_split(val_fraction: float = 0.2, split_seed: int = 0) -> dict[st
     images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)  # (1797, 8, 8), values 0..16 -> 0..255
     labels = bunch.target.astype(np.int64)
     rng = np.random.RandomState(split_seed)
-    val_idx = []
+    part = np.zeros(len(labels), dtype=np.int64)  # 0 train, 1 val, 2 test
     for c in np.unique(labels):
         idx = np.flatnonzero(labels == c)
         rng.shuffle(idx)
-        val_idx.append(idx[: int(round(val_fraction * len(idx)))])
-    val_mask = np.zeros(len(labels), dtype=bool)
-    val_mask[np.concatenate(val_idx)] = True
-    return {"train": (images[~val_mask], labels[~val_mask]), "val": (images[val_mask], labels[val_mask])}
+        n_test = int(round(test_fraction * len(idx)))
+        n_val = int(round(val_fraction * len(idx)))
+        part[idx[n_test:n_test + n_val]] = 1
+        part[idx[:n_test]] = 2
+    names = ("train", "val", "test") if test_fraction > 0 else ("train", "val")
+    return {name: (images[part == k], labels[part == k]) for k, name in enumerate(names)}
 
 
 class DigitsDataset(Dataset):
@@ -53,7 +59,9 @@ class DigitsDataset(Dataset):
 
 
 class DigitsDataModule(ClassificationDataModule):
-    """Digits upsampled to `img_size` (32 by default) with a fixed stratified 80/20 split (1437 / 360 images)."""
+    """Digits at `img_size` with a fixed stratified train / validation / test split (`load_digits_split`; by default
+    70 / 15 / 15 %: 1257 / 270 / 270 images). Hyper-parameters are chosen on validation; the test images are only
+    read by `test_dataloader` (a run's final evaluation, docs/training.md "How comparisons are made")."""
 
     name = "digits"
     in_chans = 1
@@ -61,14 +69,16 @@ class DigitsDataModule(ClassificationDataModule):
     classes = [str(d) for d in range(10)]
 
     @checked
-    def __init__(self, *, val_fraction: Annotated[float, Float(0, 1, low_open=True, high_open=True)] = 0.2,
+    def __init__(self, *, val_fraction: Annotated[float, Float(0, 1, low_open=True, high_open=True)] = 0.15,
+                 test_fraction: Annotated[float, Float(0, 1, high_open=True)] = 0.15,
                  split_seed: Annotated[int, SEED] = 0, **kwargs):
         super().__init__(**kwargs)
-        self.val_fraction, self.split_seed = val_fraction, split_seed
+        if val_fraction + test_fraction >= 1:
+            raise ValueError(f"val_fraction + test_fraction must leave training images: got {val_fraction} + "
+                             f"{test_fraction} >= 1")
+        self.val_fraction, self.test_fraction, self.split_seed = val_fraction, test_fraction, split_seed
 
-    def build_datasets(self) -> tuple[Dataset, Dataset]:
-        split = load_digits_split(self.val_fraction, self.split_seed)
-        return (
-            DigitsDataset(*split["train"], transform=self.train_transform()),
-            DigitsDataset(*split["val"], transform=self.eval_transform()),
-        )
+    def build_datasets(self) -> tuple[Dataset, ...]:
+        split = load_digits_split(self.val_fraction, self.split_seed, self.test_fraction)
+        train = DigitsDataset(*split["train"], transform=self.train_transform())
+        return train, *(DigitsDataset(*split[k], transform=self.eval_transform()) for k in ("val", "test") if k in split)

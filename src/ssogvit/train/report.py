@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,8 @@ from ssogvit.errors import report_errors
 from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
-__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "gaps_markdown", "segmentation_markdown",
-           "plot_curves", "plot_segmentation", "main"]
+__all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "models_markdown", "gaps_markdown",
+           "sweep_markdown", "segmentation_markdown", "plot_curves", "plot_segmentation", "main"]
 
 
 class ReportError(InputError):
@@ -57,6 +58,8 @@ class RunLog:
     seed: int = 0
     paper_top1: float | None = None  # the Acc@1 of the paper's run this run is a CPU-sized twin of (meta.paper_top1)
     metric: str = "val/top1"  # what the run is scored by: val/top1, or val/miou for a segmentation run
+    test: dict[str, float] = field(default_factory=dict)  # the final weights on the held-out test split, if any
+    settings: dict[str, Any] = field(default_factory=dict)  # the hyper-parameters a sweep may vary (SWEPT)
 
     @property
     def epochs_done(self) -> int:
@@ -71,8 +74,26 @@ class RunLog:
         top1 = self.series[self.metric]
         return top1[max(top1)]
 
+    @property
+    def test_top1(self) -> float | None:
+        return self.test.get("test/top1")
+
+    def setting(self, keys: Sequence[str] | None = None) -> str:
+        """The run's hyper-parameters among `keys` (default every one of `SWEPT`) as `key=value` words."""
+        return " ".join(f"{k}={v}" for k, v in self.settings.items() if keys is None or k in keys)
+
 
 CURVES = ("train/loss_epoch", "val/loss", "val/top1", "val/miou", "val/pixel_acc")
+TESTS = ("test/top1", "test/loss")
+# The hyper-parameters that `sweep.md` tells apart (docs/training.md "How comparisons are made"): dotted keys of the
+# run's config.yaml.
+SWEPT = ("optim.lr", "loss.jasmin.weight", "data.batch_size", "trainer.max_epochs", "model.kwargs.global_pool")
+
+
+def _dotted(cfg: dict, key: str) -> Any:
+    for part in key.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else None
+    return cfg
 
 
 def read_run(path: str | Path) -> RunLog:
@@ -96,7 +117,8 @@ def read_run(path: str | Path) -> RunLog:
                      head=str((model.get("kwargs") or {}).get("global_pool") or "token"),
                      seed=int(cfg.get("seed", 0)),
                      paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]),
-                     metric="val/miou" if (model.get("kwargs") or {}).get("task") == "segmentation" else "val/top1")
+                     metric="val/miou" if (model.get("kwargs") or {}).get("task") == "segmentation" else "val/top1",
+                     settings={k: _dotted(cfg, k) for k in SWEPT})
         for m in rows:
             int(m["table"]), str(m["row"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -109,6 +131,7 @@ def read_run(path: str | Path) -> RunLog:
                     if not rec.get("epoch") or None in rec or None in rec.values():  # a line torn by a kill
                         continue
                     epoch = int(float(rec["epoch"])) + 1
+                    run.test.update({k: float(rec[k]) for k in TESTS if rec.get(k) not in (None, "")})
                     for key in CURVES:
                         value = rec.get(key)
                         if value not in (None, ""):
@@ -165,16 +188,13 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
 GAP_MIXERS = ("mha", "ssog", "ssog-steered")
 
 
-def _mean_sd(values: list[float]) -> str:
-    import statistics
-
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}"
-
-
 def segmentation_markdown(runs: list[RunLog]) -> str:
-    """Segmentation runs per experiment: the final validation mIoU and pixel accuracy as mean ± sample sd over the
-    seeds, every seed's mIoU, and the gap of each experiment's mean mIoU to the best mean."""
+    """Segmentation runs per experiment: the final validation mIoU and pixel accuracy as mean ± half-width of the 95%
+    t interval over the seeds (`ssogvit.train.comparison`; one seed: no interval), every seed's mIoU, and the gap of
+    each experiment's mean mIoU to the best mean."""
     import statistics
+
+    from .comparison import format_interval, interval
 
     groups: dict[str, list[RunLog]] = {}
     for run in sorted(runs, key=lambda r: (r.name, r.seed)):
@@ -187,10 +207,12 @@ def segmentation_markdown(runs: list[RunLog]) -> str:
         miou = [r.final_top1() for r in rs]
         acc = [r.series["val/pixel_acc"][max(r.series["val/pixel_acc"])] for r in rs if r.series.get("val/pixel_acc")]
         seeds = ", ".join(f"{v:.2f} (seed {r.seed})" for v, r in zip(miou, rs))
-        lines.append(f"| {name} | {rs[0].mixer} | {_mean_sd(miou)} | {_mean_sd(acc) if acc else 'n/a'} | {seeds} | "
+        lines.append(f"| {name} | {rs[0].mixer} | {format_interval(interval(miou))} | "
+                     f"{format_interval(interval(acc)) if acc else 'n/a'} | {seeds} | "
                      f"{means[name] - best:+.2f} | {rs[0].epochs_done}/{rs[0].max_epochs} |")
-    title = ("Final validation mIoU and pixel accuracy (%), mean ± sample standard deviation over the seeds; "
-             "'to the best': the experiment's mean mIoU minus the best mean.")
+    title = ("Final validation mIoU and pixel accuracy (%), mean ± half-width of the 95% t interval over the seeds "
+             "(one seed: no interval); 'to the best': the experiment's mean mIoU minus the best mean; the budget is "
+             "the epochs column (these runs are budget-limited unless docs say otherwise).")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -219,39 +241,125 @@ def plot_segmentation(runs: list[RunLog], path: Path) -> None:
     plt.close(fig)
 
 
-def gaps_markdown(runs: list[RunLog]) -> str:
-    """Our CPU-sized twins of the paper's runs beside the paper: per family and head, each mixer's final validation
-    top-1 as mean ± sample sd over its seeds, and SSoG's gaps to MHA (mean of ours, with every seed's gap when the
-    seeds pair up) beside the paper's gaps (from each run's `meta.paper_top1`)."""
-    import statistics
+def _score(run: RunLog) -> float:
+    """What a comparison scores a run by: its final weights' test top-1, or (no test split) its final validation."""
+    return run.test_top1 if run.test_top1 is not None else run.final_top1()
 
+
+def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]:
+    """`{(family, head, mixer): {seed: run}}`, refused where one model has two runs of one seed (a sweep's runs are
+    reported apart, in sweep.md)."""
+    groups: dict[tuple[str, str, str], dict[int, RunLog]] = {}
+    for run in runs:
+        seeds = groups.setdefault((run.family, run.head, run.mixer), {})
+        if run.seed in seeds:
+            other = seeds[run.seed]
+            raise ReportError(f"{other.path} and {run.path}: two runs of {run.family} {run.mixer} ({run.head} head) "
+                              f"with seed {run.seed} ({other.setting()} / {run.setting()}); a comparison takes one "
+                              "setting per model: report the sweep's runs apart (it writes sweep.md)")
+        seeds[run.seed] = run
+    order = {"vit": 0, "looped": 1, "ode": 2}
+    return dict(sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1] != "avg",
+                                                        GAP_MIXERS.index(kv[0][2]) if kv[0][2] in GAP_MIXERS else 9)))
+
+
+def _scored_by(runs: list[RunLog]) -> str:
+    return "test top-1" if all(r.test_top1 is not None for r in runs) else "final validation top-1"
+
+
+def models_markdown(runs: list[RunLog]) -> str:
+    """Each model (family, head, mixer) under the comparison protocol (`ssogvit.train.comparison`): its score (test
+    top-1 of the final weights) as the mean with a 95% t interval over its seeds and every seed, its settings,
+    how many of its runs reached the plateau, and its epochs to `SPEED_TOP1` % validation top-1."""
+    from .comparison import SPEED_TOP1, epochs_to, format_interval, interval, reached_plateau
+
+    scored = _scored_by(runs)
+    lines = [f"| family | head | mixer | {scored} % | per seed | settings | plateau | epochs to {SPEED_TOP1:.0f}% val |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (family, pool, mixer), seeds in _models(runs).items():
+        rs = [seeds[s] for s in sorted(seeds)]
+        per_seed = ", ".join(f"{_score(r):.2f}" for r in rs)
+        settings = sorted({r.setting() for r in rs})
+        plateau = sum(reached_plateau(r.series["val/top1"]) for r in rs)
+        speed = [epochs_to(r.series["val/top1"]) for r in rs]
+        never = sum(1 for v in speed if v != v)
+        speed_text = format_interval(interval(speed), digits=1) + (f" ({never} never)" if never else "")
+        lines.append(f"| {family} | {pool} | {mixer} | {format_interval(interval([_score(r) for r in rs]))} | "
+                     f"{per_seed} | {'; '.join(settings)} | {plateau}/{len(rs)} | {speed_text} |")
+    title = (f"Each model's {scored} (%) as mean ± half-width of the 95% t interval over its seeds, every seed "
+             "(ascending), its settings, how many runs reached the plateau (the last fifth of the epochs added under "
+             "0.5 points of validation top-1), and the epochs to 90% validation top-1.")
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def gaps_markdown(runs: list[RunLog]) -> str:
+    """Every SSoG model against its MHA twin under the comparison protocol: the paired mean difference of the
+    scores over shared seeds with its 95% t interval, every seed's difference, the verdict ("leads" / "trails" only
+    where the interval excludes zero), and the paper's gap (from each run's `meta.paper_top1`) where it has one.
+    Within one head (both heads where both were run), and each mixer with its own head (SSoG: mean of the patch
+    tokens, MHA: class token, docs/models.md)."""
+    from .comparison import epochs_to, format_interval, paired_gap
+
+    models = _models(runs)
+    pairs = []  # (family, heads label, ssog key, mha key)
+    for family, pool, mixer in models:
+        if mixer in ("ssog", "ssog-steered") and (family, pool, "mha") in models:
+            pairs.append((family, pool, (family, pool, mixer), (family, pool, "mha")))
+    for family, pool, mixer in models:
+        if mixer in ("ssog", "ssog-steered") and pool == "avg" and (family, "token", "mha") in models:
+            pairs.append((family, "own (avg vs token)", (family, pool, mixer), (family, "token", "mha")))
+    lines = ["| family | heads | comparison | gap (points) | per seed | verdict | paper | epochs to 90% val: mha - "
+             "ssog |", "|---|---|---|---|---|---|---|---|"]
+    for family, heads, a, b in pairs:
+        ra, rb = models[a], models[b]
+        gap = paired_gap({s: _score(r) for s, r in ra.items()}, {s: _score(r) for s, r in rb.items()})
+        speed = paired_gap({s: epochs_to(r.series["val/top1"]) for s, r in rb.items()},
+                           {s: epochs_to(r.series["val/top1"]) for s, r in ra.items()})
+        pa, pb = next(iter(ra.values())).paper_top1, next(iter(rb.values())).paper_top1
+        paper = f"{pa - pb:+.2f}" if pa is not None and pb is not None else "n/a"
+        per_seed = ", ".join(f"{d:+.2f}" for d in gap.per_seed)
+        lines.append(f"| {family} | {heads} | {a[2]} - mha | **{format_interval(gap.interval, signed=True)}** | "
+                     f"{per_seed} | {a[2]} {gap.verdict} | {paper} | "
+                     f"{format_interval(speed.interval, signed=True, digits=1)} |")
+    title = (f"Gaps in {_scored_by(runs)}: paired by seed, mean ± half-width of the 95% t interval; 'leads' / "
+             "'trails' only where the interval excludes zero. 'paper': the paper's CIFAR-100 gap at D=768 for the "
+             "runs these are the CPU-sized twins of. Learning speed: how many epochs later MHA's run of a seed "
+             "reaches 90% validation top-1 than the SSoG run of that seed (paired over the seeds where both do; "
+             "positive: SSoG sooner).")
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def sweep_markdown(runs: list[RunLog]) -> str:
+    """A hyper-parameter sweep, per experiment and head: each setting's final validation top-1 (mean ± 95% t
+    interval over its seeds), how many of its runs reached the plateau, and the chosen setting (the best mean;
+    test numbers are not shown here: they take no part in the choice)."""
+    from .comparison import format_interval, interval, reached_plateau
+
+    varying = [k for k in SWEPT if len({repr(r.settings.get(k)) for r in runs}) > 1]  # what the sweep varies
     groups: dict[tuple[str, str], dict[str, list[RunLog]]] = {}
     for run in runs:
-        groups.setdefault((run.family, run.head), {}).setdefault(run.mixer, []).append(run)
-    head = ("| family | head | MHA | SSoG | steered SSoG | SSoG - MHA | paper | steered - MHA | paper | seeds |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
-    order = {"vit": 0, "looped": 1, "ode": 2}
-    for (family, pool), by_mixer in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
-        finals = {m: {r.seed: r.final_top1() for r in by_mixer.get(m, [])} for m in GAP_MIXERS}
-        cells = [_mean_sd(list(finals[m].values())) if finals[m] else "not run" for m in GAP_MIXERS]
-        paper = {m: (by_mixer[m][0].paper_top1 if by_mixer.get(m) else None) for m in GAP_MIXERS}
-        gaps = []
-        for m in ("ssog", "ssog-steered"):
-            if not (finals[m] and finals["mha"]):
-                gaps += ["", ""]
-                continue
-            gap = statistics.fmean(finals[m].values()) - statistics.fmean(finals["mha"].values())
-            paired = sorted(set(finals[m]) & set(finals["mha"]))
-            per_seed = ", ".join(f"{finals[m][s] - finals['mha'][s]:+.1f}" for s in paired)
-            gaps.append(f"**{gap:+.2f}** ({per_seed})")
-            gaps.append(f"{paper[m] - paper['mha']:+.2f}" if paper[m] is not None and paper["mha"] is not None
-                        else "missing")
-        seeds = sorted({s for m in GAP_MIXERS for s in finals[m]})
-        lines.append(f"| {family} | {pool} | " + " | ".join(cells) + " | " + " | ".join(gaps)
-                     + f" | {', '.join(map(str, seeds))} |")
-    title = ("Final validation top-1 (%), mean ± sample standard deviation over the seeds; gaps: mean of ours "
-             "(per seed, paired by seed) beside the paper's CIFAR-100 gap at D=768.")
+        groups.setdefault((run.name, run.head), {}).setdefault(run.setting(varying), []).append(run)
+    lines = ["| experiment | head | setting | final val top-1 % | seeds | plateau | chosen |",
+             "|---|---|---|---|---|---|---|"]
+    for (name, pool), settings in sorted(groups.items()):
+        means = {k: interval([r.final_top1() for r in rs]) for k, rs in settings.items()}
+        best = max(means, key=lambda k: means[k].mean)
+        for k, rs in sorted(settings.items()):
+            plateau = sum(reached_plateau(r.series["val/top1"]) for r in rs)
+            lines.append(f"| {name} | {pool} | {k} | {format_interval(means[k])} | "
+                         f"{', '.join(str(r.seed) for r in sorted(rs, key=lambda r: r.seed))} | {plateau}/{len(rs)} | "
+                         f"{'**chosen**' if k == best and len(settings) > 1 else ''} |")
+    title = ("A sweep: each setting's final validation top-1 (the split that chooses; the test split takes no part), "
+             "mean ± half-width of the 95% t interval over its seeds; the chosen setting has the best mean.")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def _is_sweep(runs: list[RunLog]) -> bool:
+    """Whether the runs of some experiment and head differ in a swept hyper-parameter."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    for run in runs:
+        seen.setdefault((run.name, run.head), set()).add(run.setting())
+    return any(len(v) > 1 for v in seen.values())
 
 
 def plot_curves(runs: list[RunLog], path: Path) -> None:
@@ -332,9 +440,12 @@ def _report(args: argparse.Namespace) -> list[Path]:
     loose = [r for r in runs if not r.rows and r.metric != "val/miou"]
     if loose and args.table is None:
         outputs[out / "runs.md"] = table_markdown(None, [], loose)
-    twins = [r for r in runs if r.paper_top1 is not None]
-    if twins and args.table is None:
-        outputs[out / "reproduction.md"] = gaps_markdown(twins)
+    classified = [r for r in runs if r.metric == "val/top1"]
+    if classified and args.table is None and _is_sweep(classified):
+        outputs[out / "sweep.md"] = sweep_markdown(classified)
+    twins = [r for r in classified if r.paper_top1 is not None]
+    if twins and args.table is None and not _is_sweep(twins):
+        outputs[out / "reproduction.md"] = models_markdown(twins) + "\n" + gaps_markdown(twins)
         outputs[out / "reproduction_curves.png"] = twins
     outputs[out / "curves.png"] = None
     existing = [str(p) for p in outputs if p.exists()]

@@ -313,6 +313,9 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
     save_resumable(trainer, output_dir / "checkpoints" / "last.ckpt")  # the final state, whatever saved last
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    if dm.has_test:  # the held-out split, read once, by the final weights (docs/training.md "How comparisons are made")
+        tested = trainer.test(module, datamodule=dm, verbose=False)[0]
+        metrics.update({k: float(v) for k, v in tested.items()})
     best_cb = next(cb for cb in trainer.checkpoint_callbacks if cb.monitor == str(cfg.ckpt.monitor))
     summary: dict[str, Any] = {
         "name": str(cfg.name),
