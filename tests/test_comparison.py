@@ -12,7 +12,7 @@ import pytest
 from ssogvit.train.comparison import (
     Gap, epochs_to, format_interval, interval, paired_gap, plateau_gain, reached_plateau,
 )
-from ssogvit.train.report import ReportError, RunLog, gaps_markdown, models_markdown, sweep_markdown
+from ssogvit.train.report import ReportError, RunLog, gaps_markdown, heads_markdown, models_markdown, sweep_markdown
 
 
 def test_interval_is_students_t_over_the_seeds():
@@ -89,6 +89,19 @@ def test_models_and_gaps_tables_follow_the_protocol():
     i = interval(per_seed)
     assert (f"| vit | own (avg vs token) | ssog - mha | **+1.50 ± {i.half:.2f}** | +2.00, +1.50, +1.00 | "
             f"ssog leads | +3.96 | +3.0 ± 0.0 |") in gaps
+
+
+def test_heads_table_pairs_each_model_with_both_heads():
+    runs = [_run("ssog", "avg", s, 97.0 + s, CURVE) for s in range(3)]
+    runs += [_run("ssog", "token", s, 90.0 + 2 * s, [10.0] * 5 + [92.0] * 5) for s in range(3)]
+    runs += [_run("mha", "token", s, 95.0, CURVE) for s in range(3)]  # one head only: no row
+    text = heads_markdown(runs)
+    i = interval([7.0, 6.0, 5.0])
+    assert f"| vit | ssog | **+6.00 ± {i.half:.2f}** | +7.00, +6.00, +5.00 | avg leads | +3.0 ± 0.0 |" in text
+    assert "| vit | mha |" not in text
+    close = [_run("ssog", "avg", s, 97.0 + (-1) ** s, CURVE) for s in range(3)]
+    close += [_run("ssog", "token", s, 97.0, CURVE) for s in range(3)]
+    assert "| **+0.33 ± " in heads_markdown(close) and "no clear difference |" in heads_markdown(close)
 
 
 def test_a_comparison_refuses_two_settings_of_one_model_and_the_sweep_chooses_on_validation():

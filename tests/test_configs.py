@@ -155,3 +155,22 @@ def test_cli_list_unknown_table_and_incomplete_experiment_exit_2(tmp_path):
                        capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "data.aug.scale" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("family", ["vit", "looped", "ode"])
+def test_digits8_twins_differ_only_in_what_the_protocol_tunes(family):
+    # the comparison protocol (docs/training.md): each mixer its own head and learning rate (and the ODE MHA twin its
+    # JaSMin weight), chosen by a sweep; everything else the same
+    cfgs = {m: compose([f"experiment=digits8_{family}_{m}"]) for m in ("ssog", "ssog_steered", "mha")}
+    assert {m: c.model.mixer for m, c in cfgs.items()} == {"ssog": "ssog", "ssog_steered": "ssog-steered",
+                                                          "mha": "mha"}
+    assert [c.model.kwargs.global_pool for c in cfgs.values()] == ["avg", "avg", "token"]
+    stripped = []
+    for c in cfgs.values():
+        assert c.trainer.max_epochs == 40 and c.data.batch_size == 32 and c.data.test_fraction > 0
+        c = _without_mixer(c)
+        c["model"]["kwargs"].pop("global_pool")
+        c["optim"].pop("lr")
+        stripped.append(c)
+    assert stripped[0] == stripped[1] == stripped[2]
+    assert all(cfgs[m].loss.jasmin.weight == 0 for m in cfgs)  # the paper's weight 1 stops the ODE MHA twin learning

@@ -26,15 +26,22 @@ GRAY = {"mean": (0.5,), "std": (0.5,), "interpolation": "bilinear", "crop_pct": 
 # digits ---------------------------------------------------------------------------------------------------------------
 def test_digits_split_is_fixed_stratified_and_disjoint():
     a, b = load_digits_split(), load_digits_split()
-    assert len(a["train"][1]) + len(a["val"][1]) == 1797
-    assert np.array_equal(a["val"][1], b["val"][1]) and np.array_equal(a["val"][0], b["val"][0])
-    assert set(np.unique(a["val"][1])) == set(range(10))
-    counts = np.bincount(a["val"][1], minlength=10) / np.bincount(np.concatenate([a["train"][1], a["val"][1]]))
-    assert np.all(np.abs(counts - 0.2) < 0.02)  # each class 20% in validation
-    train_rows = {x.tobytes() + bytes([y]) for x, y in zip(*a["train"])}
-    val_rows = [x.tobytes() + bytes([y]) for x, y in zip(*a["val"])]
-    assert sum(r in train_rows for r in val_rows) < 5  # sklearn's digits holds a few exact duplicates, no more
+    sizes = {k: len(a[k][1]) for k in ("train", "val", "test")}
+    assert sizes == {"train": 1259, "val": 269, "test": 269} and sum(sizes.values()) == 1797
+    for k in ("val", "test"):
+        assert np.array_equal(a[k][1], b[k][1]) and np.array_equal(a[k][0], b[k][0])
+        assert set(np.unique(a[k][1])) == set(range(10))
+        counts = np.bincount(a[k][1], minlength=10) / np.bincount(np.concatenate([a[s][1] for s in sizes]))
+        assert np.all(np.abs(counts - 0.15) < 0.02)  # each class 15% in validation and 15% in test
+    rows = {k: [x.tobytes() + bytes([y]) for x, y in zip(*a[k])] for k in sizes}
+    for k, other in (("val", "train"), ("test", "train"), ("test", "val")):
+        held = set(rows[other])
+        assert sum(r in held for r in rows[k]) < 5  # sklearn's digits holds a few exact duplicates, no more
     assert a["train"][0].dtype == np.uint8 and a["train"][0].max() == 255
+    # the test images do not depend on the validation fraction; test_fraction=0 is the older train / val split
+    assert np.array_equal(load_digits_split(val_fraction=0.3)["test"][0], a["test"][0])
+    two = load_digits_split(0.2, test_fraction=0)
+    assert "test" not in two and len(two["train"][1]) + len(two["val"][1]) == 1797
 
 
 def test_digits_datamodule_upsamples_and_normalises():

@@ -129,6 +129,6 @@ def test_report_tables_the_miou_of_segmentation_runs(trained, tmp_path):
     assert cli_main(["report", str(trained), "--out", str(tmp_path / "report")]) == 0
     text = (tmp_path / "report" / "segmentation.md").read_text()
     (row,) = logged(trained)
-    assert f"| scenes_vit_ssog | ssog | {float(row['val/miou']):.2f} ± 0.00 |" in text
+    assert f"| scenes_vit_ssog | ssog | {float(row['val/miou']):.2f} (1 seed) |" in text
     assert (tmp_path / "report" / "curves.png").is_file() and (tmp_path / "report" / "segmentation.png").is_file()
     assert not (tmp_path / "report" / "runs.md").exists()

@@ -5,7 +5,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from ssogvit.layers import list_mixers
+from ssogvit.layers import default_pool, list_mixers
 from ssogvit.models import (
     SIZES,
     CenterNorm,
@@ -284,7 +284,8 @@ def test_centernorm_centres_and_scales_by_d_over_d_minus_1():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_every_parameter_gets_a_gradient(family, mixer):
-    model = open_steering(create_model(f"{family}-tiny-{mixer}", **TINY, num_registers=1))
+    # the class-token head (SSoG's default head, avg, leaves the class token out of every loss by construction)
+    model = open_steering(create_model(f"{family}-tiny-{mixer}", **TINY, num_registers=1, global_pool="token"))
     x = torch.randn(2, 3, 32, 32)
     tokens = model.forward_features(x)
     logits = model.forward_head(tokens)
@@ -313,7 +314,7 @@ def test_with_ssog_the_class_token_never_sees_registers_nor_the_last_field(famil
     # through its earlier applications.
     grads = {}
     for name in (mixer, "mha"):
-        model = open_steering(create_model(f"{family}-tiny-{name}", **TINY, num_registers=1))
+        model = open_steering(create_model(f"{family}-tiny-{name}", **TINY, num_registers=1, global_pool="token"))
         F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([1, 7])).backward()
         grads[name] = {k: p.grad for k, p in model.named_parameters()}
     assert torch.count_nonzero(grads["mha"]["reg_token"]) > 0
@@ -479,10 +480,24 @@ def test_global_pool_avg_head_reads_the_mean_of_the_patch_tokens(family):
         expected = model.head(tokens[:, model.num_prefix_tokens :].mean(1))
         torch.testing.assert_close(model.forward_head(tokens), expected, rtol=0, atol=0)
         torch.testing.assert_close(model(x), expected)
-        default = create_model(f"{family}-tiny-ssog", **TINY, num_registers=2).eval()
-        assert default.global_pool == "token"
-        tokens = default.forward_features(x)
-        torch.testing.assert_close(default.forward_head(tokens), default.head(tokens[:, 0]), rtol=0, atol=0)
+        token = create_model(f"{family}-tiny-ssog", **TINY, num_registers=2, global_pool="token").eval()
+        assert token.global_pool == "token"
+        tokens = token.forward_features(x)
+        torch.testing.assert_close(token.forward_head(tokens), token.head(tokens[:, 0]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_default_head_is_the_mixers_own(family):
+    # SSoG models read the mean of the patch tokens unless told otherwise, the attention mixers the class token
+    # (ssogvit.layers.default_pool; docs/models.md, "The default head"); an explicit head always wins
+    for mixer, pool in (("ssog", "avg"), ("ssog-steered", "avg"), ("mha", "token"), ("window", "token")):
+        assert default_pool(mixer) == pool
+        model = create_model(f"{family}-tiny-{mixer}", **TINY)
+        assert model.global_pool == pool and model.config["global_pool"] == pool
+        assert create_model(**model.config).global_pool == pool
+    for pool in ("avg", "token"):
+        assert create_model(f"{family}-tiny-ssog", **TINY, global_pool=pool).global_pool == pool
+        assert create_model(f"{family}-tiny-mha", **TINY, global_pool=pool).global_pool == pool
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -490,7 +505,7 @@ def test_global_pool_is_recorded_in_the_config(family):
     torch.manual_seed(0)
     model = create_model(f"{family}-tiny-ssog", **TINY, num_registers=1, global_pool="avg").eval()
     assert model.config["global_pool"] == "avg"
-    assert create_model(f"{family}-tiny-ssog", **TINY).config["global_pool"] == "token"
+    assert create_model(f"{family}-tiny-ssog", **TINY, global_pool="token").config["global_pool"] == "token"
     twin = create_model(**model.config).eval()
     assert twin.global_pool == "avg" and twin.config == model.config
     twin.load_state_dict(model.state_dict())  # same architecture: the class token is there in both modes

@@ -23,7 +23,7 @@ def load_digits_split(val_fraction: float = 0.15, split_seed: int = 0, test_frac
 
     Stratified by class: each class's images are shuffled once (`split_seed`), the first `test_fraction` of them
     go to "test", the next `val_fraction` to "val", the rest to "train". It depends only on the two fractions and
-    `split_seed`, and the test images do not depend on `val_fraction`. With the defaults: 1257 / 270 / 270 images.
+    `split_seed`, and the test images do not depend on `val_fraction`. With the defaults: 1259 / 269 / 269 images.
     `test_fraction=0` gives no "test" entry (the split of earlier versions, train / val only, with the same val).
     """
     from sklearn.datasets import load_digits
@@ -60,7 +60,7 @@ class DigitsDataset(Dataset):
 
 class DigitsDataModule(ClassificationDataModule):
     """Digits at `img_size` with a fixed stratified train / validation / test split (`load_digits_split`; by default
-    70 / 15 / 15 %: 1257 / 270 / 270 images). Hyper-parameters are chosen on validation; the test images are only
+    70 / 15 / 15 %: 1259 / 269 / 269 images). Hyper-parameters are chosen on validation; the test images are only
     read by `test_dataloader` (a run's final evaluation, docs/training.md "How comparisons are made")."""
 
     name = "digits"

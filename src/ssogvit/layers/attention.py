@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,10 @@ class Attention(nn.Module):
         attn_drop: dropout on the attention probabilities.
         proj_drop: dropout after the output projection.
     """
+
+    #: the classifier head that suits the mixer (a model's ``global_pool`` default): the class token, which attends to
+    #: the patches by content
+    default_pool: ClassVar[str] = "token"
 
     @checked
     def __init__(

@@ -14,7 +14,7 @@ from ssogvit.layers.neighborhood import NeighborhoodAttention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
 from ssogvit.layers.window import WindowAttention
 
-__all__ = ["MIXERS", "create_mixer", "list_mixers", "mixer_options"]
+__all__ = ["MIXERS", "create_mixer", "list_mixers", "mixer_options", "default_pool"]
 
 # name -> (class, defaults that define the name)
 MIXERS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
@@ -38,6 +38,13 @@ def mixer_options(name: str) -> list[str]:
     cls, _ = _lookup(name)
     params = inspect.signature(cls.__init__).parameters
     return [p for p in params if p not in ("self", "dim", "num_heads")]
+
+
+def default_pool(name: str) -> str:
+    """The classifier head that suits the named mixer (its class's ``default_pool``): a model's ``global_pool`` when
+    none is given."""
+    cls, _ = _lookup(name)
+    return cls.default_pool
 
 
 def _lookup(name: str) -> tuple[type[nn.Module], dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +70,11 @@ class SSoGAttention(nn.Module):
         cache_kernels: reuse the fixed-field kernel tables between calls while neither the parameters nor the grid
             change and no gradient is needed (inference).
     """
+
+    #: the classifier head that suits the mixer (a model's ``global_pool`` default): the mean of the patch tokens.
+    #: Patches never read prefix tokens, so a class token only receives the mean patch value and, under a class-token
+    #: head, the last block's field gets no gradient (docs/models.md, "The default head").
+    default_pool: ClassVar[str] = "avg"
 
     @checked
     def __init__(

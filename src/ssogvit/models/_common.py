@@ -36,7 +36,7 @@ from ssogvit.inputs import (
     check_memory,
     checked,
 )
-from ssogvit.layers import create_mixer, is_ssog
+from ssogvit.layers import create_mixer, default_pool, is_ssog
 from ssogvit.outputs import staged_outputs
 
 from . import transfer
@@ -228,7 +228,10 @@ class VisionTransformerBase(TimmVisionTransformer):
         num_classes: classes of the linear head (0: no head).
         num_registers: register tokens after the class token.
         global_pool: what the head reads: ``"token"`` the class token, ``"avg"`` the mean of the normalised patch
-            tokens (class and register tokens excluded). With SSoG only ``"avg"`` trains the last block's field.
+            tokens (class and register tokens excluded); ``None`` (default): the head that suits the mixer
+            (``ssogvit.layers.default_pool``: ``"avg"`` for SSoG, whose class token cannot select and under whose
+            class-token head the last block's field gets no gradient; ``"token"`` for the attention mixers). The
+            paper's configs set ``"token"`` (docs/models.md, "The default head").
         drop_path_rate: stochastic depth (what it means is the family's: see ``_steps``).
         mlp_ratio: MLP hidden width over ``D``.
         name: registry name recorded in ``config``.
@@ -262,7 +265,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         in_chans: Annotated[int, IN_CHANS] = 3,
         num_classes: Annotated[int, NUM_CLASSES] = 1000,
         num_registers: Annotated[int, NUM_REGISTERS] = 0,
-        global_pool: Annotated[str, Choice(GLOBAL_POOLS)] = "token",
+        global_pool: Annotated[str | None, Choice(GLOBAL_POOLS, none=True)] = None,
         drop_path_rate: Annotated[float, DROP_RATE] = 0.0,
         mlp_ratio: Annotated[float, MLP_RATIO] = 4.0,
         name: str | None = None,
@@ -273,6 +276,7 @@ class VisionTransformerBase(TimmVisionTransformer):
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
         options = self._check_options({**self.family_options, **options}, drop_path_rate=drop_path_rate)
         mixer_options = dict(mixer_options or {})
+        global_pool = global_pool or default_pool(mixer)
         config = dict(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
             in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,

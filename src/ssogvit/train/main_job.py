@@ -97,6 +97,7 @@ def run_overrides(run: MainRun, epochs: int | None) -> list[str]:
 def _init_worker(threads: int) -> None:
     """A pool process: `threads` torch threads; Lightning's info lines, its few-workers hint (the runs are the
     parallel workers here) and a deprecation inside Lightning silenced."""
+    import lightning.pytorch  # noqa: F401  (importing it sets its loggers to INFO: set them after)
     import torch
 
     torch.set_num_threads(threads)
@@ -147,7 +148,7 @@ def main(argv: list[str]) -> int:
         prog="ssogvit main",
         description="Train fixed SSoG, steered SSoG and MHA on the 8x8 grid of the embedded digits (no download), each "
         "with its own head and tuned learning rate, over three seeds in parallel processes, and print the comparison: "
-        "test top-1 with 95%% intervals, paired gaps with their intervals, epochs to 90%% validation top-1. What it "
+        "test top-1 with 95% intervals, paired gaps with their intervals, epochs to 90% validation top-1. What it "
         "trains is ssogvit/conf/main.yaml. Extra arguments are Hydra overrides applied to every run.",
     )
     parser.add_argument("--out", default=None, help="output folder (default runs/main/<date-time>)")

@@ -13,9 +13,13 @@ into `--out`:
 - for segmentation runs (docs/dense.md), `segmentation.md`: per experiment the final validation mIoU and pixel
   accuracy as mean ± sd over the seeds, and every seed's mIoU, and `segmentation.png` (the mean and every seed);
 - for runs of CPU-sized twins of the paper's runs (experiments whose `meta.paper_experiment` names a paper run, the
-  `digits8_*` family: docs/reproduction.md), `reproduction.md`: per family and head, each mixer's final validation
-  top-1 as mean ± sd over the seeds, our gaps to MHA beside the paper's, and `reproduction_curves.png` (the mean over
-  the seeds of each configuration, with a band from the lowest to the highest seed).
+  `digits8_*` family: docs/reproduction.md), `reproduction.md`: under the comparison protocol
+  (`ssogvit.train.comparison`), per family and head each model's test top-1 with its 95% t interval over the seeds,
+  every SSoG model's paired gap to MHA with its interval and verdict beside the paper's gap, the epochs to 90%
+  validation top-1, and, for a model run with both heads, the paired gap between them; and `reproduction_curves.png` (the mean over the seeds of each configuration, with a band from
+  the lowest to the highest seed);
+- for a sweep (runs of one model at several settings), `sweep.md`: each setting's final validation top-1 and the
+  chosen one.
 
 Existing files are never overwritten unless `--overwrite` is given; the files are written together (all or none,
 `ssogvit.outputs.staged_outputs`) and only after every run folder has been read.
@@ -35,7 +39,7 @@ from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
 __all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "models_markdown", "gaps_markdown",
-           "sweep_markdown", "segmentation_markdown", "plot_curves", "plot_segmentation", "main"]
+           "heads_markdown", "sweep_markdown", "segmentation_markdown", "plot_curves", "plot_segmentation", "main"]
 
 
 class ReportError(InputError):
@@ -287,7 +291,7 @@ def models_markdown(runs: list[RunLog]) -> str:
         lines.append(f"| {family} | {pool} | {mixer} | {format_interval(interval([_score(r) for r in rs]))} | "
                      f"{per_seed} | {'; '.join(settings)} | {plateau}/{len(rs)} | {speed_text} |")
     title = (f"Each model's {scored} (%) as mean ± half-width of the 95% t interval over its seeds, every seed "
-             "(ascending), its settings, how many runs reached the plateau (the last fifth of the epochs added under "
+             "(in seed order), its settings, how many runs reached the plateau (the last fifth of the epochs added under "
              "0.5 points of validation top-1), and the epochs to 90% validation top-1.")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
@@ -326,6 +330,33 @@ def gaps_markdown(runs: list[RunLog]) -> str:
              "runs these are the CPU-sized twins of. Learning speed: how many epochs later MHA's run of a seed "
              "reaches 90% validation top-1 than the SSoG run of that seed (paired over the seeds where both do; "
              "positive: SSoG sooner).")
+    return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def heads_markdown(runs: list[RunLog]) -> str:
+    """Each model run with both heads, at one setting: the paired difference `avg - token` of the scores over shared
+    seeds with its 95% t interval, every seed's difference and the verdict, and the same for the epochs to
+    `SPEED_TOP1` % validation top-1 (`token - avg`: positive, the mean-pooled head sooner). Empty (no rows) where no
+    model has both heads. This is the measurement behind the default head (docs/models.md, "The default head")."""
+    from .comparison import epochs_to, format_interval, paired_gap
+
+    models = _models(runs)
+    lines = ["| family | mixer | avg - token (points) | per seed | verdict | epochs to 90% val: token - avg |",
+             "|---|---|---|---|---|---|"]
+    for family, pool, mixer in models:
+        if pool != "avg" or (family, "token", mixer) not in models:
+            continue
+        avg, token = models[(family, "avg", mixer)], models[(family, "token", mixer)]
+        gap = paired_gap({s: _score(r) for s, r in avg.items()}, {s: _score(r) for s, r in token.items()})
+        speed = paired_gap({s: epochs_to(r.series["val/top1"]) for s, r in token.items()},
+                           {s: epochs_to(r.series["val/top1"]) for s, r in avg.items()})
+        verdict = {"leads": "avg leads", "trails": "token leads"}.get(gap.verdict, gap.verdict)
+        lines.append(f"| {family} | {mixer} | **{format_interval(gap.interval, signed=True)}** | "
+                     f"{', '.join(f'{d:+.2f}' for d in gap.per_seed)} | {verdict} | "
+                     f"{format_interval(speed.interval, signed=True, digits=1)} |")
+    title = (f"Heads, where a model ran with both at one setting: {_scored_by(runs)} with the mean of the patch "
+             "tokens (avg) minus with the class token (token), paired by seed, mean ± half-width of the 95% t "
+             "interval; a lead only where the interval excludes zero.")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -445,7 +476,8 @@ def _report(args: argparse.Namespace) -> list[Path]:
         outputs[out / "sweep.md"] = sweep_markdown(classified)
     twins = [r for r in classified if r.paper_top1 is not None]
     if twins and args.table is None and not _is_sweep(twins):
-        outputs[out / "reproduction.md"] = models_markdown(twins) + "\n" + gaps_markdown(twins)
+        outputs[out / "reproduction.md"] = "\n".join([models_markdown(twins), gaps_markdown(twins),
+                                                      heads_markdown(twins)])
         outputs[out / "reproduction_curves.png"] = twins
     outputs[out / "curves.png"] = None
     existing = [str(p) for p in outputs if p.exists()]
