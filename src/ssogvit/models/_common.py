@@ -276,7 +276,7 @@ class VisionTransformerBase(TimmVisionTransformer):
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
         options = self._check_options({**self.family_options, **options}, drop_path_rate=drop_path_rate)
         mixer_options = dict(mixer_options or {})
-        global_pool = global_pool or default_pool(mixer)
+        global_pool = default_pool(mixer) if global_pool is None else global_pool
         config = dict(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
             in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,

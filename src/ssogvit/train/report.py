@@ -16,8 +16,9 @@ into `--out`:
   `digits8_*` family: docs/reproduction.md), `reproduction.md`: under the comparison protocol
   (`ssogvit.train.comparison`), per family and head each model's test top-1 with its 95% t interval over the seeds,
   every SSoG model's paired gap to MHA with its interval and verdict beside the paper's gap, the epochs to 90%
-  validation top-1, and, for a model run with both heads, the paired gap between them; and `reproduction_curves.png` (the mean over the seeds of each configuration, with a band from
-  the lowest to the highest seed);
+  validation top-1, and, for a model run with both heads, the paired gap between them; and
+  `reproduction_curves.png` (the mean over the seeds of each configuration, with a band from the lowest to the
+  highest seed);
 - for a sweep (runs of one model at several settings), `sweep.md`: each setting's final validation top-1 and the
   chosen one.
 
@@ -32,11 +33,14 @@ import csv
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ssogvit.errors import report_errors
 from ssogvit.inputs import InputError, Int, input_folder, read_document
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
+
+if TYPE_CHECKING:
+    from .comparison import Gap
 
 __all__ = ["RunLog", "ReportError", "read_run", "table_markdown", "models_markdown", "gaps_markdown",
            "heads_markdown", "sweep_markdown", "segmentation_markdown", "plot_curves", "plot_segmentation", "main"]
@@ -291,9 +295,20 @@ def models_markdown(runs: list[RunLog]) -> str:
         lines.append(f"| {family} | {pool} | {mixer} | {format_interval(interval([_score(r) for r in rs]))} | "
                      f"{per_seed} | {'; '.join(settings)} | {plateau}/{len(rs)} | {speed_text} |")
     title = (f"Each model's {scored} (%) as mean ± half-width of the 95% t interval over its seeds, every seed "
-             "(in seed order), its settings, how many runs reached the plateau (the last fifth of the epochs added under "
-             "0.5 points of validation top-1), and the epochs to 90% validation top-1.")
+             "(in seed order), its settings, how many runs reached the plateau (the last fifth of the epochs added "
+             "under 0.5 points of validation top-1), and the epochs to 90% validation top-1.")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
+
+
+def _paired_gaps(a: dict[int, RunLog], b: dict[int, RunLog]) -> tuple[Gap, Gap]:
+    """Two models' runs by seed, paired: the score gap `a - b` and the learning-speed gap, the epochs to
+    `SPEED_TOP1` % validation top-1 of `b` minus those of `a` (positive: `a` sooner)."""
+    from .comparison import epochs_to, paired_gap
+
+    gap = paired_gap({s: _score(r) for s, r in a.items()}, {s: _score(r) for s, r in b.items()})
+    speed = paired_gap({s: epochs_to(r.series["val/top1"]) for s, r in b.items()},
+                       {s: epochs_to(r.series["val/top1"]) for s, r in a.items()})
+    return gap, speed
 
 
 def gaps_markdown(runs: list[RunLog]) -> str:
@@ -302,7 +317,7 @@ def gaps_markdown(runs: list[RunLog]) -> str:
     where the interval excludes zero), and the paper's gap (from each run's `meta.paper_top1`) where it has one.
     Within one head (both heads where both were run), and each mixer with its own head (SSoG: mean of the patch
     tokens, MHA: class token, docs/models.md)."""
-    from .comparison import epochs_to, format_interval, paired_gap
+    from .comparison import format_interval
 
     models = _models(runs)
     pairs = []  # (family, heads label, ssog key, mha key)
@@ -316,9 +331,7 @@ def gaps_markdown(runs: list[RunLog]) -> str:
              "ssog |", "|---|---|---|---|---|---|---|---|"]
     for family, heads, a, b in pairs:
         ra, rb = models[a], models[b]
-        gap = paired_gap({s: _score(r) for s, r in ra.items()}, {s: _score(r) for s, r in rb.items()})
-        speed = paired_gap({s: epochs_to(r.series["val/top1"]) for s, r in rb.items()},
-                           {s: epochs_to(r.series["val/top1"]) for s, r in ra.items()})
+        gap, speed = _paired_gaps(ra, rb)
         pa, pb = next(iter(ra.values())).paper_top1, next(iter(rb.values())).paper_top1
         paper = f"{pa - pb:+.2f}" if pa is not None and pb is not None else "n/a"
         per_seed = ", ".join(f"{d:+.2f}" for d in gap.per_seed)
@@ -338,7 +351,7 @@ def heads_markdown(runs: list[RunLog]) -> str:
     seeds with its 95% t interval, every seed's difference and the verdict, and the same for the epochs to
     `SPEED_TOP1` % validation top-1 (`token - avg`: positive, the mean-pooled head sooner). Empty (no rows) where no
     model has both heads. This is the measurement behind the default head (docs/models.md, "The default head")."""
-    from .comparison import epochs_to, format_interval, paired_gap
+    from .comparison import format_interval
 
     models = _models(runs)
     lines = ["| family | mixer | avg - token (points) | per seed | verdict | epochs to 90% val: token - avg |",
@@ -346,10 +359,7 @@ def heads_markdown(runs: list[RunLog]) -> str:
     for family, pool, mixer in models:
         if pool != "avg" or (family, "token", mixer) not in models:
             continue
-        avg, token = models[(family, "avg", mixer)], models[(family, "token", mixer)]
-        gap = paired_gap({s: _score(r) for s, r in avg.items()}, {s: _score(r) for s, r in token.items()})
-        speed = paired_gap({s: epochs_to(r.series["val/top1"]) for s, r in token.items()},
-                           {s: epochs_to(r.series["val/top1"]) for s, r in avg.items()})
+        gap, speed = _paired_gaps(models[(family, "avg", mixer)], models[(family, "token", mixer)])
         verdict = {"leads": "avg leads", "trails": "token leads"}.get(gap.verdict, gap.verdict)
         lines.append(f"| {family} | {mixer} | **{format_interval(gap.interval, signed=True)}** | "
                      f"{', '.join(f'{d:+.2f}' for d in gap.per_seed)} | {verdict} | "
