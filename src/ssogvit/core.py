@@ -178,7 +178,7 @@ def steered_geometry(
     if "lambda" in residuals:
         ell = ell + gates["lambda"] * torch.tanh(residuals["lambda"])
     # the softmax over the R atoms is taken across the second-to-last axis of a transposed view: the same function
-    # (equal to rounding), and on the CPU 3x to 5x faster than across a last axis this short (docs/benchmarks.md,
+    # (equal to rounding), and on the CPU 3x to 5x faster than across a last axis this short (docs/benchmarks-log.md,
     # "Steered SSoG against fused attention")
     return mu, sigma, torch.softmax(ell.transpose(-1, -2), dim=-2).transpose(-1, -2)
 

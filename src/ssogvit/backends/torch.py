@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 #: Below this many patch tokens in a batch (``B * N``), the fixed mixing's forward mixes heads in chunks: its per-head
-#: matmuls are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks.md, ViT-B width,
+#: matmuls are then too small to keep two cores busy (measured on the 2-core CPU of docs/benchmarks-log.md, ViT-B width,
 #: mixing alone: chunks of 2 heads take 0.70x the per-head time at 224 batch 1, 0.79x at 224 batch 2, 0.80x at 384
 #: batch 1; at 224 batch 4 and 384 batch 2 no gain; at 512 batch 1 two measurements disagreed, so the rule stops
 #: below it).
@@ -40,7 +40,7 @@ def default_mix_head_chunk(batch_tokens: int, heads: int, atoms: int) -> int:
 
 #: In training, a steered chunk may hold this many bytes of temporaries even where that is more than a third of the
 #: activation: the step keeps ten and more activations per block for backward and every weight's gradient, so a
-#: chunk this small does not move its peak, while fewer chunks mean fewer calls (measured, docs/benchmarks.md,
+#: chunk this small does not move its peak, while fewer chunks mean fewer calls (measured, docs/benchmarks-log.md,
 #: "Training steps": ViT-B width at 224 px, batch 1, the mixer's training step 33.6 ms with one head per chunk and
 #: 28.0 with four, at the same peak).
 TRAIN_CHUNK_BYTES = 2 * 2**20
@@ -224,7 +224,7 @@ def _chunk(heads: int, head_chunk: int | None) -> int:
 
 #: A batch slice of a steered chunk keeps its temporaries (tables, the column pass's result and its re-layout)
 #: within this many bytes, so that they stay in the CPU's caches between the passes (on the 2-core CPU of
-#: docs/benchmarks.md, ViT-B width, inference: 768 px batch 8 took 684 ms unsliced, 453 ms in slices of three
+#: docs/benchmarks-log.md, ViT-B width, inference: 768 px batch 8 took 684 ms unsliced, 453 ms in slices of three
 #: images; 1024 px batch 8 1637 ms and 936 ms one image at a time; below 512 px batch 8 nothing is sliced).
 SLICE_BYTES = 32 * 2**20
 
