@@ -327,17 +327,18 @@ def test_rows_equal_gaussian_rows_at_the_extremes(dtype):
 
 def test_the_ops_pass_torch_library_opcheck():
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of every op of the kernel, with
-    prefix tokens and odd sizes."""
+    prefix tokens and odd sizes. The two mixings' forward ops have no autograd of their own (``ops`` wires theirs,
+    ``test_the_mixings_autograd_is_wired_once_by_ops``), so they are checked without gradients; the field ops with."""
     values, mu, sigma, lam, tau = _operands(2, 3, 4, 2, 3, 5, 1, torch.float64)
     scale = core.kernel_scale(sigma, tau)
     f_values, ky, kx, f_lam = _fixed_operands(2, (3, 4), 2, 3, 5, 1, torch.float64)
     grad = torch.randn_like(values)
     leaves = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     cases = [
-        (OPS.cpu_fixed_mix, (*leaves(f_values, ky, kx, f_lam),)),
+        (OPS.cpu_fixed_mix, (f_values, ky, kx, f_lam)),
         (OPS.cpu_fixed_mix_, (f_values.clone(), ky, kx, f_lam)),
         (OPS.cpu_fixed_mix_backward, (grad, f_values, ky, kx, f_lam)),
-        (OPS.cpu_steered_mix, (*leaves(values, mu, scale, lam), 3, 4)),
+        (OPS.cpu_steered_mix, (values, mu, scale, lam, 3, 4)),
         (OPS.cpu_steered_mix_, (values.clone(), mu, scale, lam, 3, 4)),
         (OPS.cpu_steered_mix_backward, (grad, values, mu, scale, lam, 3, 4)),
         (OPS.cpu_axis_kernels, (*leaves(mu[0, 0, ..., 0], scale[0, 0, ..., 0]), 5)),
@@ -348,6 +349,23 @@ def test_the_ops_pass_torch_library_opcheck():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+def test_the_mixings_autograd_is_wired_once_by_ops():
+    """One autograd per op: a training step's mixing by the kernel is ``ops``'s ``_FixedMix`` / ``_SteeredMix`` (which
+    call the forward op without autograd and the backward op in their backward); the forward ops themselves have no
+    autograd formula, so a backward through them alone is an error, not a second path."""
+    values, mu, sigma, lam, tau = _operands(1, 3, 4, 2, 2, 4, 1, torch.float64)
+    f_values, ky, kx, f_lam = _fixed_operands(1, (3, 4), 2, 2, 4, 1, torch.float64)
+    scale = core.kernel_scale(sigma, tau)
+    v = values.clone().requires_grad_()
+    assert type(ops.ssog_mix_steered(v, (3, 4), mu, sigma, lam, tau, impl="cpu").grad_fn).__name__ == (
+        "_SteeredMixBackward")
+    f = f_values.clone().requires_grad_()
+    assert type(ops.ssog_mix(f, (3, 4), ky, kx, f_lam, impl="cpu").grad_fn).__name__ == "_FixedMixBackward"
+    for op, args in ((OPS.cpu_fixed_mix, (f, ky, kx, f_lam)), (OPS.cpu_steered_mix, (v, mu, scale, lam, 3, 4))):
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            op(*args).sum().backward()
 
 
 def test_what_the_kernel_cannot_mix_goes_to_the_torch_backend_and_is_refused_by_name():

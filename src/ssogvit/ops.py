@@ -5,7 +5,11 @@ Every backend (``ssogvit.backends.cpu``, ``.triton``, ``.torch``; ``"einsum"`` i
 entry points, pure functions of tensors: ``fixed_forward``, ``fixed_backward``, ``steered_forward``,
 ``steered_backward`` and ``unsupported`` (its probe). This module wires them into autograd once for all of them:
 ``_FixedMix`` and ``_SteeredMix``. A backward that builds a graph (``create_graph=True``, a gradient penalty) is the
-einsum path's, which autograd can differentiate again.
+einsum path's, which autograd can differentiate again. Every call into a backend goes where ``backend_for``, the one
+probe, says, the C kernel's own field ops too.
+
+Each public function checks its arguments (the grid against the values, the shapes) once, at entry; the private
+functions behind it (``_mix_fixed``, ``_steered``) trust their caller and check nothing again.
 """
 
 from __future__ import annotations
@@ -58,9 +62,11 @@ AUTO_ORDER = ("triton", "cpu", "stacked")
 
 def backend_for(kind: str, impl: str, values: Tensor, *operands: Tensor) -> str:
     """The implementation that mixes ``values`` with ``operands`` (``kind`` is ``"fixed"``, operands ``ky, kx, lam``;
-    or ``"steered"``, operands the geometry's inputs): ``impl`` itself when asked for by name (a ``RuntimeError``
-    with the reason where it cannot), else the first of ``AUTO_ORDER`` whose probe takes it. Under tracing and
-    export (``core.functional_only``) ``"auto"`` and ``"stacked"`` are ``"einsum"``: no writes into buffers there."""
+    or ``"steered"``, operands the geometry's inputs; or one of the C kernel's own field ops, ``"field"``, operands
+    ``mu, sigma, lam``, and ``"tables"``, operands ``mu, sigma``): ``impl`` itself when asked for by name (a
+    ``RuntimeError`` with the reason where it cannot), else the first of ``AUTO_ORDER`` whose probe takes it. Under
+    tracing and export (``core.functional_only``) ``"auto"`` and ``"stacked"`` are ``"einsum"``: no writes into
+    buffers there. The one probe: every call into a backend goes where this says."""
     _check_impl(impl)
     if impl == "einsum" or (impl in ("auto", "stacked") and functional_only()):
         return "einsum"
@@ -77,13 +83,21 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"unknown SSoG implementation {impl!r}; expected one of {SSOG_IMPLS}")
 
 
+def _c_field_op(kind: str, impl: str, values: Tensor, *operands: Tensor) -> bool:
+    """Whether the C kernel's own op of ``kind`` (``"tables"``: ``axis_kernels``; ``"field"``: ``ssog_mix_field``)
+    takes the call: ``impl`` is ``"auto"`` or ``"cpu"`` and ``backend_for(kind, "auto", ...)`` picks the C backend.
+    Elsewhere ``core``'s operations build the same tables, never an error here: a mixing asked for by name that
+    cannot run says so itself (``ssog_mix``)."""
+    _check_impl(impl)
+    return impl in ("auto", "cpu") and backend_for(kind, "auto", values, *operands) == "cpu"
+
+
 def axis_kernels(length: int, mu: Tensor, sigma: Tensor, tau: Tensor | float, *, impl: str = "auto") -> Tensor:
     """``core.axis_kernels`` (arguments as there), by the C kernel where ``impl`` (``"auto"`` or ``"cpu"``) lets it
     and it takes the field (float32 or float64 CPU tensors of one shape; not under tracing or export), else by
     ``core``'s torch operations. ``impl`` names the implementation of the mixing the tables are for
     (``SSOG_IMPLS``)."""
-    _check_impl(impl)
-    if impl in ("auto", "cpu") and not functional_only() and cpu.unsupported("fixed", mu, sigma, auto=True) is None:
+    if _c_field_op("tables", impl, mu, sigma):
         scale = kernel_scale(sigma, torch.as_tensor(tau, device=mu.device))
         if scale.shape == mu.shape:
             return cpu.axis_kernels(length, mu, scale)
@@ -138,14 +152,20 @@ def ssog_mix(
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
-    grad_needed = _grad_needed(values, ky, kx, lam)
-    _check_inplace("ssog_mix", inplace, grad_needed)
     grid = check_grid(values.shape[1], grid)[:2]
     h, r = lam.shape if lam.ndim == 2 else (0, 0)  # no heads: refused below
     if not h or ky.shape != (h, r, grid[0], grid[0]) or kx.shape != (h, r, grid[1], grid[1]) or values.shape[-1] % h:
         raise ValueError(f"expected ky (H, R, Gh, Gh), kx (H, R, Gw, Gw) and lam (H, R) for the grid {grid} with H "
                          f"dividing the values' width {values.shape[-1]}, got {tuple(ky.shape)}, {tuple(kx.shape)} "
                          f"and {tuple(lam.shape)}")
+    return _mix_fixed(values, grid, ky, kx, lam, impl, inplace, head_chunk)
+
+
+def _mix_fixed(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, impl: str, inplace: bool,
+               head_chunk: int | None) -> Tensor:
+    """``ssog_mix`` after its checks: it trusts its caller for the grid (ints, fitting the values) and the shapes."""
+    grad_needed = _grad_needed(values, ky, kx, lam)
+    _check_inplace("ssog_mix", inplace, grad_needed)
     name = backend_for("fixed", impl, values, ky, kx, lam)
     if name == "einsum":
         return core.mix_fixed(values, grid, ky, kx, lam)
@@ -187,13 +207,11 @@ def ssog_mix_field(
                          f"width {values.shape[-1]}, got {tuple(mu.shape)}, {tuple(sigma.shape)}, {tuple(lam.shape)} "
                          f"and {tuple(tau.shape)}")
     tau = tau[:, None] if tau.ndim else tau  # against (H, R)
-    if (impl in ("auto", "cpu") and not inplace and not functional_only()
-            and cpu.unsupported("fixed", values, mu, sigma, lam, auto=impl == "auto") is None):
+    if not inplace and _c_field_op("field", impl, values, mu, sigma, lam):
         return cpu.field_mix(values, (gh, gw), mu, kernel_scale(sigma, tau[..., None]), lam)
     ky = axis_kernels(gh, mu[..., 0], sigma[..., 0], tau, impl=impl).to(values.dtype)
     kx = axis_kernels(gw, mu[..., 1], sigma[..., 1], tau, impl=impl).to(values.dtype)
-    return ssog_mix(values, (gh, gw), ky, kx, lam.to(values.dtype), impl=impl, inplace=inplace,
-                    head_chunk=head_chunk)
+    return _mix_fixed(values, (gh, gw), ky, kx, lam.to(values.dtype), impl, inplace, head_chunk)
 
 
 class _FixedMix(torch.autograd.Function):
@@ -268,7 +286,7 @@ def ssog_mix_steered(
     Returns:
         Mixed values ``(B, P + N, D)``.
     """
-    _check_geometry(values, grid, mu, sigma, lam)
+    grid = _check_geometry(values, grid, mu, sigma, lam)
     return _steered(values, grid, _given_geometry, (mu, sigma, lam, tau), impl, head_chunk, inplace)
 
 
@@ -291,7 +309,7 @@ def ssog_mix_steered_by_tokens(
     which with autograd is not kept for backward but recomputed there: a training step keeps the values and the
     inputs of the geometry only (``SSoGAttention`` passes its normalised tokens, which its value projection keeps
     anyway, and its parameters)."""
-    check_grid(values.shape[1], grid)
+    grid = check_grid(values.shape[1], grid)[:2]
     if tokens.shape[:2] != (values.shape[0], grid[0] * grid[1]):
         raise ValueError(f"tokens must be the patch tokens (B, N, D) = ({values.shape[0]}, {grid[0] * grid[1]}, D), "
                          f"got {tuple(tokens.shape)}")
@@ -299,7 +317,9 @@ def ssog_mix_steered_by_tokens(
     return _steered(values, grid, geometry, (tokens, mu, sigma, ell, tau, *steering), impl, head_chunk, inplace)
 
 
-def _check_geometry(values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor) -> None:
+def _check_geometry(values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor
+                    ) -> tuple[int, int]:
+    """The grid ``(Gh, Gw)`` checked against the values, and the given geometry's shapes against both."""
     gh, gw, _ = check_grid(values.shape[1], grid)
     expected = (values.shape[0], gh * gw)
     for name, t in (("mu", mu), ("sigma", sigma), ("lam", lam)):
@@ -311,13 +331,15 @@ def _check_geometry(values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Te
                          f"{tuple(mu.shape)}, {tuple(sigma.shape)} and {tuple(lam.shape)}")
     if values.shape[-1] % mu.shape[2]:
         raise ValueError(f"the values' width {values.shape[-1]} is not divisible by the geometry's {mu.shape[2]} heads")
+    return gh, gw
 
 
 def _steered(values: Tensor, grid: tuple[int, int], geometry, inputs: tuple[Tensor, ...], impl: str,
              head_chunk: int | None, inplace: bool) -> Tensor:
+    """The steered mixing after the entry point's checks: it trusts its caller for the grid (ints, fitting the
+    values) and the shapes."""
     grad_needed = _grad_needed(values, *inputs)
     _check_inplace("ssog_mix_steered", inplace, grad_needed)
-    grid = check_grid(values.shape[1], grid)[:2]
     name = backend_for("steered", impl, values, *inputs)
     if name == "einsum":
         return core.mix_steered(values, grid, *geometry(*inputs))

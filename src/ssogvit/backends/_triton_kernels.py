@@ -247,13 +247,3 @@ def fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam
     return (g_values, (g_kyl * lam_k[:, :, None, None]).to(ky.dtype), g_kx.view(h, r, gw, gw).to(kx.dtype),
             (g_kyl * ky_k).sum(dim=(-1, -2)).to(lam.dtype))
 
-
-def _save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _fixed_mix_grad(ctx, grad: Tensor):
-    return fixed_mix_backward(grad, *ctx.saved_tensors)
-
-
-fixed_mix.register_autograd(_fixed_mix_grad, setup_context=_save_inputs)

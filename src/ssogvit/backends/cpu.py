@@ -13,7 +13,9 @@ the build or that check fails, one ``RuntimeWarning`` says so and ``impl="auto"`
 the same result. ``SSOGVIT_CPU_KERNEL=0`` turns it off. Float32 and float64 CPU tensors only.
 
 The entry points are ops of the ``ssogvit`` namespace (``torch.ops.ssogvit.cpu_fixed_mix`` and the rest, each with a
-fake implementation and the forward ones with their autograd), so ``torch.compile`` keeps them in its graph.
+fake implementation), so ``torch.compile`` keeps them in its graph. The mixings' autograd is ``ssogvit.ops``'s, wired
+once for every backend; the two field ops that only this backend has, ``cpu_axis_kernels`` and ``cpu_field_mix``,
+carry their own (docs/operator.md, "Backends").
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def available() -> bool:
 
 
 def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
-    """The probe of ``ssogvit.ops``: why the kernel cannot mix ``values`` with ``operands`` (``None``: it can)."""
+    """The probe of ``ssogvit.ops``: why the kernel cannot mix ``values`` with ``operands`` (``None``: it can), for
+    every ``kind`` (``ops.backend_for``'s) alike."""
     if values.device.type != "cpu" or values.dtype not in _SUFFIX:
         return f"the C kernel mixes float32 and float64 CPU tensors, got {values.dtype} on {values.device}"
     if any(t.dtype != values.dtype or t.device != values.device for t in operands):
@@ -383,17 +386,15 @@ def _(grad, values, mu, scale, lam, gh, gw):
     return _new(values, mu, scale, lam)
 
 
+# Autograd: the mixings' (cpu_fixed_mix, cpu_steered_mix) is wired once for every backend by ``ssogvit.ops``
+# (``_FixedMix``, ``_SteeredMix``), which call the forward ops without autograd and their backward ops in its backward.
+# The two field ops, which only this backend has (``ops.axis_kernels``, ``ops.ssog_mix_field`` call them with
+# autograd), carry their own, here. One autograd per op.
+
+
 def _save_inputs(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:4])
     ctx.grid = tuple(inputs[4:])
-
-
-def _fixed_mix_grad(ctx, grad: Tensor):
-    return _fixed_mix_backward(grad, *ctx.saved_tensors)
-
-
-def _steered_mix_grad(ctx, grad: Tensor):
-    return *_steered_mix_backward(grad, *ctx.saved_tensors, *ctx.grid), None, None
 
 
 def _save_axis(ctx, inputs, output) -> None:
@@ -418,8 +419,6 @@ def _field_mix_grad(ctx, grad: Tensor):
 
 _axis_kernels.register_autograd(_axis_kernels_grad, setup_context=_save_axis)
 _field_mix.register_autograd(_field_mix_grad, setup_context=_save_inputs)
-_fixed_mix.register_autograd(_fixed_mix_grad, setup_context=_save_inputs)
-_steered_mix.register_autograd(_steered_mix_grad, setup_context=_save_inputs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -123,8 +123,10 @@ def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str
     """The probe of ``ssogvit.ops``: why the kernel cannot mix ``values`` with ``operands`` (``ky, kx, lam``; ``None``:
     it can). ``impl="auto"`` takes it for CUDA half precision, and for float32 only where TF32 is on (without it the
     kernel's dots are plain FMAs that spill registers); float64 and the CPU stay on the other backends."""
-    if kind != "fixed":
+    if kind == "steered":
         return "there is no Triton kernel for the steered mixing (impl='cpu', 'stacked' or 'auto' mix it)"
+    if kind != "fixed":
+        return f"the Triton backend has no {kind} op: it mixes the tables torch builds"
     if auto and (not values.is_cuda or values.dtype == torch.float64
                  or (values.dtype == torch.float32 and not _tf32())):
         return "impl='auto' takes the Triton kernel for CUDA float16 and bfloat16, and float32 with TF32 on"

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import torch
 import torch.nn.functional as F
 from timm.layers import ConvNormAct, LayerNorm2d
-from timm.models._features import FeatureInfo
+from timm.models import FeatureInfo
 from torch import Tensor, nn
 
 from ssogvit.inputs import EMBED_DIM, Int, Ints, checked

@@ -13,13 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
-from torchdiffeq._impl.odeint import SOLVERS  # the solver classes, for their own step functions (see Flow)
 
 from ssogvit.inputs import Flag, Float, Text, check_args
 
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 
-__all__ = ["ODEViT", "Flow", "FIXED_GRID_SOLVERS", "ADAPTIVE_SOLVERS", "NORMS", "STEPPED_SOLVERS"]
+__all__ = ["ODEViT", "Flow", "FIXED_GRID_SOLVERS", "ADAPTIVE_SOLVERS", "NORMS", "STEPPED_SOLVERS", "STEPS"]
 
 #: torchdiffeq solvers that step on the given uniform grid (``depth`` steps).
 FIXED_GRID_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4", "explicit_adams", "implicit_adams")
@@ -32,10 +31,47 @@ OPTION_SPECS = {"solver": Text(), "norm": Text(), "scale": Float(0, low_open=Tru
                 "rtol": Float(0, low_open=True), "atol": Float(0, low_open=True), "adjoint": Flag()}
 
 
-#: fixed-grid solvers whose steps are self-contained: the model takes them one grid interval at a time with
-#: torchdiffeq's own step functions, so each step is one block application to timm (intermediates, checkpointing) and
-#: the forward has no data-dependent control flow (torch.export, ONNX). The others go through ``odeint`` whole.
-STEPPED_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4")
+def _euler(f: Callable[[Tensor], Tensor], dt: Tensor, z: Tensor) -> Tensor:
+    return dt * f(z)
+
+
+def _midpoint(f: Callable[[Tensor], Tensor], dt: Tensor, z: Tensor) -> Tensor:
+    half_dt = 0.5 * dt
+    return dt * f(z + f(z) * half_dt)
+
+
+def _heun2(f: Callable[[Tensor], Tensor], dt: Tensor, z: Tensor) -> Tensor:
+    k1 = f(z)
+    k2 = f(z + dt * k1)
+    return dt * (k1 * 0.5 + k2 * 0.5)
+
+
+def _heun3(f: Callable[[Tensor], Tensor], dt: Tensor, z: Tensor) -> Tensor:
+    k1 = f(z)
+    k2 = f(z + dt * k1 * (1 / 3))
+    k3 = f(z + dt * (k2 * (2 / 3)))
+    return dt * (k1 * 0.25 + k3 * 0.75)
+
+
+def _rk4(f: Callable[[Tensor], Tensor], dt: Tensor, z: Tensor) -> Tensor:
+    """The 3/8 rule, which is torchdiffeq's ``"rk4"``."""
+    k1 = f(z)
+    k2 = f(z + dt * k1 * (1 / 3))
+    k3 = f(z + dt * (k2 - k1 * (1 / 3)))
+    k4 = f(z + dt * (k1 - k2 + k3))
+    return (k1 + 3 * (k2 + k3) + k4) * dt * 0.125
+
+
+#: The fixed-grid solvers whose steps are self-contained, by torchdiffeq's method name: ``step(f, dt, z)`` is the
+#: increment of one step of length ``dt`` of the autonomous field ``f`` (the same Butcher tableaux as torchdiffeq's
+#: methods of those names; ``tests/test_ode.py`` compares them with ``torchdiffeq.odeint``, forward and gradient). The
+#: model takes them one grid interval at a time, so each step is one block application to timm (intermediates,
+#: checkpointing) and the forward has no data-dependent control flow (torch.export, ONNX). The other solvers go
+#: through ``odeint`` whole.
+STEPS: dict[str, Callable[[Callable[[Tensor], Tensor], Tensor, Tensor], Tensor]] = {
+    "euler": _euler, "midpoint": _midpoint, "heun2": _heun2, "heun3": _heun3, "rk4": _rk4,
+}
+STEPPED_SOLVERS = tuple(STEPS)
 
 
 class _Field(nn.Module):
@@ -49,8 +85,8 @@ class _Field(nn.Module):
         self.grid = grid
         self.calls = 0
 
-    def forward(self, t: Tensor, z: Tensor, perturb: Any = None) -> Tensor:
-        # autonomous: t unused; ``perturb`` is what torchdiffeq's step functions pass (no discontinuities here)
+    def forward(self, t: Tensor | None, z: Tensor) -> Tensor:
+        # autonomous: t unused (the model's own steps pass None)
         self.calls += 1
         return self.scale * self.block.vector_field(z, self.grid)
 
@@ -121,10 +157,9 @@ class Flow(nn.Module):
         field = _Field(self.block, self.scale, grid)
         t = self.time_grid(z)
         if self.stepped:
-            solver = SOLVERS[self.solver](func=field, y0=z, rtol=self.rtol, atol=self.atol)
+            step, f = STEPS[self.solver], lambda y: field(None, y)
             for k in range(self.start, self.stop):
-                dz, _ = solver._step_func(field, t[k], t[k + 1] - t[k], t[k + 1], z)
-                z = z + dz
+                z = z + step(f, t[k + 1] - t[k], z)
         else:
             if self.solver in ADAPTIVE_SOLVERS:
                 t = t[[0, -1]]  # the solver chooses its own steps

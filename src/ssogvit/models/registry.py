@@ -102,6 +102,8 @@ def create_model(name: str, *, task: str | None = None, **kwargs: Any) -> nn.Mod
     Raises:
         ValueError: unknown name or task, or an option neither the family nor the mixer takes.
     """
+    if isinstance(kwargs.get("steer"), list):  # a config read from JSON or YAML: the model records a tuple
+        kwargs["steer"] = tuple(kwargs["steer"])
     if task is not None:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; expected one of {[t for t in TASKS if t]} or none")
@@ -173,12 +175,9 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
     if config["name"] not in list_models():
         raise DocumentError(f"{source}: unknown model {config['name']!r} (see `ssogvit list models`)",
                             argument=str(source))
-    built = dict(config)
-    if isinstance(built.get("steer"), list):
-        built["steer"] = tuple(built["steer"])
     try:
         with torch.device("meta"):
-            n = sum(p.numel() for p in create_model(**built).parameters())
+            n = sum(p.numel() for p in create_model(**config).parameters())
     except InputError as err:
         raise DocumentError(f"{source}: model_config {err}", argument=str(source)) from None
     except (ValueError, TypeError, RuntimeError) as err:

@@ -5,6 +5,10 @@
 `--resolve`, `--help`, `--info`. Each job's config reaches `task(cfg)`; a user error raised there (or by Hydra while
 composing) propagates to the caller, which reports it in one or two lines (`ssogvit.errors.report_errors`).
 
+Hydra's parser and runner are those of `hydra.main`, reached through `train._hydra_internal`, the one module that
+uses Hydra's private API (pinned to the Hydra version it was written for; `hydra.main` itself cannot give one-line
+usage errors or take flags and overrides in any order).
+
 Where runs write (`hydra:` in `ssogvit/conf/config.yaml`): Hydra itself writes nothing into a single run's folder (the
 run checks its folder before writing, see docs/training.md); in a sweep each job writes to its own folder,
 `runs/multirun/<date>_<time>/<job number>/`, unless the sweep sets `output_dir`.
@@ -107,12 +111,12 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
         config_name: the primary config in `ssogvit/conf`.
     """
     from hydra import version
-    from hydra._internal.utils import _run_hydra, get_args_parser
 
+    from ._hydra_internal import args_parser, run_hydra
     from .config import CONFIG_MODULE, quote_override
 
     version.setbase("1.3")  # as hydra.main(version_base="1.3"): the job keeps the working directory
-    parser = get_args_parser()
+    parser = args_parser()
     parser.prog = prog
     parser.error = _usage_error(prog)  # one line, not argparse's usage block
     args = parser.parse_intermixed_args(list(argv))  # flags and overrides in any order, as users type them
@@ -136,8 +140,7 @@ def hydra_command(prog: str, argv: Sequence[str], task: Callable[[DictConfig], A
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach the caller, which reports them in its own words
     try:
-        _run_hydra(args=args, args_parser=parser, task_function=run_job, config_path=f"pkg://{CONFIG_MODULE}",
-                   config_name=config_name)
+        run_hydra(args, parser, run_job, config_path=f"pkg://{CONFIG_MODULE}", config_name=config_name)
     except ValueError as err:  # Hydra's own checks of its flags (the jobs' errors are in `failures`)
         from .errors import ConfigError
 

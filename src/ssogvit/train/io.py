@@ -193,10 +193,7 @@ def _read_export_config(path: Path) -> dict[str, Any]:
 
 def build_model(model_config: Mapping[str, Any]) -> nn.Module:
     """`create_model(**model_config)`; the dict is what a model's `.config` holds (its name and keyword args)."""
-    config = dict(model_config)
-    if isinstance(config.get("steer"), list):
-        config["steer"] = tuple(config["steer"])
-    return create_model(**config)
+    return create_model(**model_config)
 
 
 def count_parameters(model: nn.Module) -> int:
