@@ -280,6 +280,16 @@ def _sections(cls: type, prefix: str = "") -> Iterator[tuple[str, type]]:
             yield from _sections(f.metadata["section"], key + ".")
 
 
+def _refuse_unknown(cls: type, values: Mapping[str, Any], key: str) -> None:
+    """`InputError` for the first key of `values` that `cls` does not declare (`key`: the section's dotted key)."""
+    known = [f.name for f in fields(cls)]
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        name = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise InputError(f"{name} is not a setting of {key or cls.__name__} (its settings: {', '.join(known)})",
+                         argument=name, expected=f"one of {', '.join(known)}")
+
+
 def check_values(cfg: Any) -> None:
     """Raise `InputError` naming the first value of the composed config `cfg` (a DictConfig or a mapping) that its
     declared spec refuses, or a key added to a section that is not open (`OPEN`) to added keys."""
@@ -303,27 +313,25 @@ def check_values(cfg: Any) -> None:
         node = select(key)
         if getattr(cls, "OPEN", False) or not isinstance(node, Mapping):
             continue
-        known = [f.name for f in fields(cls)]
-        unknown = [k for k in node if k not in known]
-        if unknown:
-            raise InputError(f"{key}.{unknown[0]} is not a setting of {key} (its settings: {', '.join(known)})",
-                             argument=f"{key}.{unknown[0]}", expected=f"one of {', '.join(known)}")
+        _refuse_unknown(cls, node, key)
 
 
 def settings_of(cls: type, values: Mapping[str, Any] | None = None, *, key: str = "") -> Any:
-    """An instance of the settings class `cls` from `values` (a section of a run config, possibly partial): a key left
-    out takes its declared default, a nested section is built the same way, an undeclared key raises `ValueError`
-    (naming `key`, the section's dotted key)."""
+    """An instance of the settings class `cls` from `values` (a section of a run config, possibly partial): each value
+    given is checked by its spec, a key left out takes its declared default, a nested section is built the same way;
+    a refused value or an undeclared key raises `InputError` (a `ValueError`) naming the dotted key (`key.name`)."""
     values = dict(values or {})
     known = {f.name: f for f in fields(cls)}
-    unknown = [k for k in values if k not in known]
-    if unknown:
-        where = f"{key}.{unknown[0]}" if key else unknown[0]
-        raise ValueError(f"{where} is not a setting of {key or cls.__name__} (its settings: {', '.join(known)})")
+    where = f"{key}." if key else ""
+    _refuse_unknown(cls, values, key)
     kwargs = {}
     for name, value in values.items():
-        nested = known[name].metadata.get("section")
-        kwargs[name] = settings_of(nested, value, key=f"{key}.{name}" if key else name) if nested else value
+        nested, spec = known[name].metadata.get("section"), known[name].metadata.get("spec")
+        if nested:
+            value = settings_of(nested, value, key=f"{where}{name}")
+        elif spec is not None:
+            value = spec.check(value, f"{where}{name}")
+        kwargs[name] = value
     return cls(**kwargs)
 
 
