@@ -31,7 +31,7 @@ __all__ = [
     "RunSettings", "TrainerSettings", "ProgressSettings", "ClusterSettings", "OptimSettings", "SchedSettings",
     "JasminSettings", "LossSettings", "MixupSettings", "EmaSettings", "CkptSettings", "ExportSettings",
     "TransferSettings", "DataSettings", "RUN_DEFAULTS_NAME", "run_defaults", "register_run_defaults", "rules",
-    "check_values", "settings_of", "settings_table",
+    "check_values", "settings_of", "settings_table", "settings_markdown",
 ]
 
 #: the name of the registered defaults in Hydra's ConfigStore (the first entry of conf/config.yaml's defaults list)
@@ -335,12 +335,23 @@ def settings_of(cls: type, values: Mapping[str, Any] | None = None, *, key: str 
     return cls(**kwargs)
 
 
+def settings_markdown() -> str:
+    """The table of docs/training.md, "The settings and their defaults": every setting of the run config (`data.*`
+    included) with its default, what it accepts and what it means."""
+    rows = ["| key | default | accepts | meaning |", "|---|---|---|---|"]
+    return "\n".join(rows + settings_table() + settings_table(DataSettings, "data."))
+
+
 def settings_table(cls: type = RunSettings, prefix: str = "") -> list[str]:
-    """Markdown table rows (`| key | default | accepted | meaning |`) of every setting of `cls`, for docs/training.md."""
+    """Markdown table rows (`| key | default | accepts | meaning |`) of every setting of `cls`."""
+
+    import yaml
 
     def shown(value: Any) -> str:
         if value is dataclasses.MISSING:
             return "(the data group's)"
+        if isinstance(value, (dict, list)):
+            return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
     rows = []
@@ -351,3 +362,4 @@ def settings_table(cls: type = RunSettings, prefix: str = "") -> list[str]:
         rows.append(f"| `{key}` | `{shown(default)}` | {accepted} | "
                     f"{f.metadata.get('doc', '')} |")
     return rows
+
