@@ -253,22 +253,20 @@ def register_run_defaults() -> None:
     ConfigStore.instance().store(name=RUN_DEFAULTS_NAME, node=run_defaults())
 
 
-def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, type]]:
-    """`(dotted key, field, class)` of every setting of `cls`, nested sections expanded, in declaration order."""
+def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """`(dotted key, field)` of every setting of `cls`, nested sections expanded, in declaration order."""
     for f in fields(cls):
         key = f"{prefix}{f.name}"
         if "section" in f.metadata:
             yield from _walk(f.metadata["section"], key + ".")
         else:
-            yield key, f, cls
+            yield key, f
 
 
 def rules() -> dict[str, Spec]:
     """`{dotted key: spec}` of every checked setting of the run config, `data.*` included."""
-    out = {key: f.metadata["spec"] for key, f, _ in _walk(RunSettings) if f.metadata.get("spec") is not None}
-    out.update({key: f.metadata["spec"] for key, f, _ in _walk(DataSettings, "data.")
-                if f.metadata.get("spec") is not None})
-    return out
+    declared = [*_walk(RunSettings), *_walk(DataSettings, "data.")]
+    return {key: f.metadata["spec"] for key, f in declared if f.metadata.get("spec") is not None}
 
 
 def _sections(cls: type, prefix: str = "") -> Iterator[tuple[str, type]]:
@@ -291,29 +289,19 @@ def _refuse_unknown(cls: type, values: Mapping[str, Any], key: str) -> None:
 
 
 def check_values(cfg: Any) -> None:
-    """Raise `InputError` naming the first value of the composed config `cfg` (a DictConfig or a mapping) that its
-    declared spec refuses, or a key added to a section that is not open (`OPEN`) to added keys."""
-    from omegaconf import DictConfig, OmegaConf
+    """Raise `InputError` naming the first value of the composed config `cfg` (a `DictConfig`) that its declared spec
+    refuses, or a key added to a section that is not open (`OPEN`) to added keys."""
+    from omegaconf import OmegaConf
 
-    def select(key: str) -> Any:
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.select(cfg, key, default="<absent>")
-        node: Any = cfg
-        for part in key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return "<absent>"
-            node = node[part]
-        return node
-
+    absent = object()
     for key, spec in rules().items():
-        value = select(key)
-        if value != "<absent>":
+        value = OmegaConf.select(cfg, key, default=absent)
+        if value is not absent:
             spec.check(value, key)
     for key, cls in _sections(RunSettings):
-        node = select(key)
-        if getattr(cls, "OPEN", False) or not isinstance(node, Mapping):
-            continue
-        _refuse_unknown(cls, node, key)
+        node = OmegaConf.select(cfg, key, default=None)
+        if not getattr(cls, "OPEN", False) and isinstance(node, Mapping):
+            _refuse_unknown(cls, node, key)
 
 
 def settings_of(cls: type, values: Mapping[str, Any] | None = None, *, key: str = "") -> Any:
@@ -355,7 +343,7 @@ def settings_table(cls: type = RunSettings, prefix: str = "") -> list[str]:
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
     rows = []
-    for key, f, _ in _walk(cls, prefix):
+    for key, f in _walk(cls, prefix):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         spec = f.metadata.get("spec")
         accepted = spec.expected() + (", or null" if spec.none else "") if spec else "any"
