@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from ssogvit.train.cli import list_main
 from ssogvit.train.config import (
-    IncompleteExperimentError, compose, experiment_meta, experiment_rows, list_experiments, model_config_from,
+    IncompleteExperimentError, check_run_config, compose, experiment_meta, experiment_rows, list_experiments,
+    model_config_from,
 )
 from ssogvit.train.io import build_model
 
@@ -72,6 +73,7 @@ def test_experiment_composes_and_builds_its_model(name):
         with pytest.raises(IncompleteExperimentError, match=re.escape(unset[0])):
             compose([f"experiment={name}"])
         return
+    check_run_config(cfg)  # every value passes its declared spec, every key is a declared setting
     if name.startswith(("cifar100_", "imagenet_")):
         assert cfg.data.img_size == 224 and model.patch_size in (16, (16, 16))
         assert cfg.optim.weight_decay == 0.05 and cfg.mixup.mixup_alpha == 0.8 and cfg.mixup.cutmix_alpha == 1.0

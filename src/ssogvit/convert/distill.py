@@ -56,7 +56,8 @@ class ConversionModule(pl.LightningModule):
         student: the SSoG model being trained (``build_student``, fields fitted).
         teacher: the attention ViT it learns from; frozen, in eval mode.
         recipe: ``optim`` (``opt``, ``lr``, ``lr_base_batch``, ``weight_decay``, ``betas``, ``eps``), ``sched``
-            (``warmup_epochs``, ``warmup_lr``, ``min_lr``), ``batch_size``, ``smoothing``.
+            (``warmup_epochs``, ``warmup_lr``, ``min_lr``), ``batch_size``, ``smoothing``; a key left out of
+            ``optim`` or ``sched`` takes its declared default (``ssogvit.train.settings``).
         distill: ``recipe`` (one of ``RECIPES``), ``temperature``, ``kd_weight``, ``feature_weight``,
             ``steps_per_block`` (progressive), ``field_lr_scale`` (learning rate of the fields over the rest's).
         hparams: stored in checkpoints as they are (the conversion's config, the student's ``model_config``).
@@ -175,12 +176,13 @@ class ConversionModule(pl.LightningModule):
         from timm.optim import create_optimizer_v2
 
         from ssogvit.train.module import scaled_lr, step_cosine_schedule
+        from ssogvit.train.settings import OptimSettings, settings_of
 
-        optim = dict(self.recipe["optim"])
+        optim = settings_of(OptimSettings, self.recipe["optim"], key="optim")  # missing keys: the declared defaults
         lr = scaled_lr(optim, int(self.recipe["batch_size"]), self.trainer)
         optimizer = create_optimizer_v2(
-            self._param_groups(lr, float(optim["weight_decay"])), opt=optim.get("opt", "adamw"), lr=lr,
-            weight_decay=0.0, betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)),
+            self._param_groups(lr, float(optim.weight_decay)), opt=optim.opt, lr=lr, weight_decay=0.0,
+            betas=tuple(optim.betas), eps=float(optim.eps),
         )
         schedule = step_cosine_schedule(optimizer, self.trainer, self.recipe["sched"])
         return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -36,7 +36,7 @@ def _instantiate_group(cfg: DictConfig, group: str, *, output_dir: str | None = 
 
 def build_loggers(cfg: DictConfig, output_dir: Any) -> list[Any]:
     """The Lightning loggers of `cfg.logger`, writing under `output_dir` (none when `trainer.logger` is false)."""
-    if not OmegaConf.select(cfg, "trainer.logger", default=True):
+    if not cfg.trainer.logger:
         return []
     return _instantiate_group(cfg, "logger", output_dir=str(output_dir))
 
@@ -50,11 +50,11 @@ def progress_callbacks(cfg: DictConfig) -> tuple[bool, list[Any]]:
     """(`enable_progress_bar` for the Trainer, callbacks): Lightning's bar, `LineProgress` lines, or nothing."""
     from .progress import LineProgress, resolve_mode
 
-    mode = resolve_mode(str(OmegaConf.select(cfg, "progress.mode", default="auto")))
-    if not OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True):
+    mode = resolve_mode(str(cfg.progress.mode))
+    if not cfg.trainer.enable_progress_bar:
         mode = "none"
     if mode == "lines":
-        return False, [LineProgress(every_n_steps=int(OmegaConf.select(cfg, "progress.every_n_steps", default=0)))]
+        return False, [LineProgress(every_n_steps=int(cfg.progress.every_n_steps))]
     return mode == "bar", []
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, InputError, Int, Spec
+from ssogvit.inputs import InputError, Spec
 
 from .errors import ConfigError
+from .settings import check_values, register_run_defaults, rules
 
 __all__ = [
     "compose", "quote_override", "split_override", "list_experiments", "experiment_meta", "experiment_rows",
@@ -21,6 +21,9 @@ __all__ = [
 ]
 
 CONFIG_MODULE = "ssogvit.conf"
+# the declared defaults (`ssogvit.train.settings`) that conf/config.yaml composes onto, for every Hydra entry that
+# composes from CONFIG_MODULE (`compose` below, `hydra_app`): both import this module first
+register_run_defaults()
 # values taken literally, whatever characters they hold
 PATH_KEYS = ("resume", "output_dir", "data.root", "transfer.ckpt", "convert.teacher", "convert.calib")
 
@@ -167,68 +170,21 @@ def model_config_from(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-INF = math.inf
-# The run config's values, checked before a launch writes anything (`check_run_config`), with the declarations of
-# `ssogvit.inputs` (one per argument: `data.img_size` is `create_model`'s `img_size` and `eval --img-size`). Lightning,
-# timm and torch refuse most of these too, but only once training has started, and with a traceback. The model's
-# own values (`model.kwargs.*`) are checked by its constructor, with the same declarations.
-RUN_CONFIG_RULES: dict[str, Spec] = {
-    "seed": SEED,
-    "trainer.max_epochs": Int(1, also=(-1,)),  # -1: by max_steps
-    "trainer.max_steps": Int(1, also=(-1,)),
-    "trainer.accumulate_grad_batches": Int(1),
-    "trainer.gradient_clip_val": Float(0, none=True),
-    "trainer.check_val_every_n_epoch": Int(1),
-    "trainer.log_every_n_steps": Int(1),
-    "trainer.num_nodes": Int(1, 100_000),
-    "trainer.deterministic": Flag(),
-    "trainer.enable_progress_bar": Flag(),
-    "data.img_size": IMG_SIZE,
-    "data.batch_size": BATCH_SIZE,
-    "data.eval_batch_size": Int(1, 1 << 20, none=True),
-    "data.num_workers": NUM_WORKERS,
-    "data.num_classes": Int(0, 1_000_000, none=True),
-    "data.in_chans": Int(1, 1024, none=True),
-    "optim.lr": Float(0, low_open=True),
-    "optim.lr_base_batch": Float(0, low_open=True, none=True),
-    "optim.weight_decay": Float(0),
-    "optim.eps": Float(0),
-    "sched.warmup_epochs": Float(0),
-    "sched.warmup_lr": Float(0),
-    "sched.min_lr": Float(0),
-    "loss.smoothing": Float(0, 1, high_open=True),
-    "loss.jasmin.weight": Float(0),
-    "loss.jasmin.reduce": Choice(("mean", "max")),
-    "mixup.mixup_alpha": Float(0),
-    "mixup.cutmix_alpha": Float(0),
-    "mixup.prob": Float(0, 1),
-    "mixup.switch_prob": Float(0, 1),
-    "ema.enabled": Flag(),
-    "ema.decay": Float(0, 1),
-    "ckpt.every_n_train_steps": Int(1, none=True),
-    "ckpt.keep": Int(0),
-    # best.ckpt keeps the highest value, so only accuracies can be monitored
-    "ckpt.monitor": Choice(("val/top1", "val/top3", "val/top5", "val_ema/top1", "val_ema/top3", "val_ema/top5",
-                            "val/miou", "val/pixel_acc", "val_ema/miou", "val_ema/pixel_acc")),
-    "export.safetensors": Flag(),
-    "transfer.mode": Choice(("finetune", "linear")),
-    "transfer.use_ema": Flag(),
-}
+# The run config's values, checked before a launch writes anything (`check_run_config`), by the specs declared with
+# each setting in `ssogvit.train.settings` (the declarations of `ssogvit.inputs`: `data.img_size` is `create_model`'s
+# `img_size` and `eval --img-size`). Lightning, timm and torch refuse most of these too, but only once training has
+# started, and with a traceback. The model's own values (`model.kwargs.*`) are checked by its constructor.
+RUN_CONFIG_RULES: dict[str, Spec] = rules()
 
 
 def check_run_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` naming the first value of `cfg` that `RUN_CONFIG_RULES` refuses (and an unknown optimizer,
-    an empty `output_dir`, EMA metrics monitored without EMA)."""
-    from .errors import ConfigError
-
-    for key, spec in RUN_CONFIG_RULES.items():
-        value = OmegaConf.select(cfg, key, default="<absent>")
-        if value == "<absent>":
-            continue
-        try:
-            spec.check(value, key)
-        except InputError as err:
-            raise ConfigError(str(err)) from None
+    """Raise `ConfigError` naming the first value of `cfg` that its declared spec refuses (`RUN_CONFIG_RULES`), a key
+    added to a closed section (`+optim.momentum=0.9`), an unknown optimizer, an empty `output_dir`, or EMA metrics
+    monitored without EMA."""
+    try:
+        check_values(cfg)
+    except InputError as err:
+        raise ConfigError(str(err)) from None
     from timm.optim import list_optimizers
 
     if str(cfg.optim.opt).lower() not in list_optimizers():

@@ -11,11 +11,14 @@ row sorted in decreasing order `p_(1) >= p_(2) >= ... >= p_(n)` and `p_(n+1) = 0
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from .settings import JasminSettings
 
 __all__ = [
     "topk_correct", "jasmin_g", "jasmin_penalty", "softmax_jacobian_estimate", "softmax_jacobian_penalty",
@@ -126,24 +129,25 @@ def softmax_jacobian_penalty(attn_maps: Sequence[Tensor], *, reduce: str = "mean
 def jasmin_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Checked options of `attention_penalty` from the `loss.jasmin` config block (weight excluded).
 
-    Keys: `kind` (`"jasmin"` default, or `"softmax-jacobian"`), `k` (JaSMin only; default 10), `maps` (`"last"`
-    default: the last attention map of the forward pass, or `"all"`: the mean over every map), `reduce`
-    (softmax-jacobian only; `"mean"` default or `"max"`).
+    Keys: `kind` (`"jasmin"` or `"softmax-jacobian"`), `k` (JaSMin only), `maps` (`"last"`: the last attention map
+    of the forward pass, or `"all"`: the mean over every map), `reduce` (softmax-jacobian only; `"mean"` or `"max"`);
+    a key left out takes its declared default (`ssogvit.train.settings.JasminSettings`).
     """
-    known = {"weight", "kind", "k", "maps", "reduce"}
-    unknown = sorted(set(cfg) - known)
+    defaults = dataclasses.asdict(JasminSettings())  # the declared defaults: a key left out takes its own
+    unknown = sorted(set(cfg) - set(defaults))
     if unknown:
-        raise ValueError(f"unknown loss.jasmin keys {unknown}; expected some of {sorted(known)}")
-    kind = str(cfg.get("kind", "jasmin"))
+        raise ValueError(f"unknown loss.jasmin keys {unknown}; expected some of {sorted(defaults)}")
+    options = {**defaults, **cfg}
+    kind = str(options["kind"])
     if kind not in JASMIN_KINDS:
         raise ValueError(f"loss.jasmin.kind must be one of {JASMIN_KINDS}, got {kind!r}")
-    maps = str(cfg.get("maps", "last"))
+    maps = str(options["maps"])
     if maps not in ("last", "all"):
         raise ValueError(f"loss.jasmin.maps must be 'last' or 'all', got {maps!r}")
-    k = int(cfg.get("k", 10))
+    k = int(options["k"])
     if k == 1 or k < 0:
         raise ValueError(f"loss.jasmin.k must be 0 (Eq. 8) or >= 2 (Eq. 9), got {k}")
-    reduce = str(cfg.get("reduce", "mean"))
+    reduce = str(options["reduce"])
     if reduce not in ("mean", "max"):
         raise ValueError(f"loss.jasmin.reduce must be 'mean' or 'max', got {reduce!r}")
     return {"kind": kind, "k": k, "maps": maps, "reduce": reduce}

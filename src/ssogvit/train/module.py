@@ -6,6 +6,7 @@ loads with `torch.load(weights_only=True)` and rebuilds its model without runnin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,34 +21,46 @@ from .errors import NonFiniteError
 from .io import build_model, read_state_dict
 from .losses import attention_penalty, jasmin_options, topk_correct
 from .resume import rng_state, set_rng_state
+from .settings import (EmaSettings, LossSettings, MixupSettings, OptimSettings, SchedSettings, TransferSettings,
+                       settings_of)
 
 __all__ = ["ClassificationModule", "scaled_lr", "step_cosine_schedule", "TOPK"]
 
 TOPK = (1, 3, 5)
 
 
-def scaled_lr(optim: Mapping[str, Any], batch_size: int, trainer: Any) -> float:
+def scaled_lr(optim: OptimSettings | Mapping[str, Any], batch_size: int, trainer: Any) -> float:
     """``optim.lr`` scaled by the global batch (per-device batch x devices x accumulation) over ``optim.lr_base_batch``
-    (DeiT's linear rule); unscaled when ``lr_base_batch`` is not set."""
+    (DeiT's linear rule); unscaled when ``lr_base_batch`` is null. A mapping's missing keys take the declared
+    defaults (`OptimSettings`)."""
+    optim = _settings(OptimSettings, optim, "optim")
     accumulate = trainer.accumulate_grad_batches if trainer else 1
     world = trainer.world_size if trainer else 1
     global_batch = int(batch_size) * world * accumulate
-    return float(optim["lr"]) * global_batch / float(optim.get("lr_base_batch") or global_batch)
+    return float(optim.lr) * global_batch / float(optim.lr_base_batch or global_batch)
 
 
-def step_cosine_schedule(optimizer: torch.optim.Optimizer, trainer: Any, sched: Mapping[str, Any]) -> dict[str, Any]:
+def step_cosine_schedule(optimizer: torch.optim.Optimizer, trainer: Any,
+                         sched: SchedSettings | Mapping[str, Any]) -> dict[str, Any]:
     """timm's cosine schedule over the run's optimizer steps, with ``sched.warmup_epochs`` of linear warm-up, as the
-    ``lr_scheduler`` entry of ``configure_optimizers`` (stepped per optimizer step by ``lr_scheduler_step``)."""
+    ``lr_scheduler`` entry of ``configure_optimizers`` (stepped per optimizer step by ``lr_scheduler_step``). A
+    mapping's missing keys take the declared defaults (`SchedSettings`)."""
     from timm.scheduler import CosineLRScheduler
 
+    sched = _settings(SchedSettings, sched, "sched")
     total = max(int(trainer.estimated_stepping_batches), 1)
     epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
-    warmup = int(round(float(sched.get("warmup_epochs", 0)) * total / epochs))
+    warmup = int(round(float(sched.warmup_epochs) * total / epochs))
     scheduler = CosineLRScheduler(
-        optimizer, t_initial=total, lr_min=float(sched.get("min_lr", 0.0)), warmup_t=min(warmup, total - 1),
-        warmup_lr_init=float(sched.get("warmup_lr", 0.0)), t_in_epochs=False,
+        optimizer, t_initial=total, lr_min=float(sched.min_lr), warmup_t=min(warmup, total - 1),
+        warmup_lr_init=float(sched.warmup_lr), t_in_epochs=False,
     )
     return {"scheduler": scheduler, "interval": "step"}
+
+
+def _settings(cls: type, values: Any, key: str) -> Any:
+    """`values` as the settings class `cls` (an instance already, or a mapping: see `settings_of`)."""
+    return values if isinstance(values, cls) else settings_of(cls, values, key=key)
 
 
 class ClassificationModule(pl.LightningModule):
@@ -55,9 +68,13 @@ class ClassificationModule(pl.LightningModule):
 
     Args:
         model_config: the model's `config` dict (name and kwargs of `create_model`).
-        recipe: `optim`, `sched`, `loss`, `mixup`, `ema` sections of the run config, plus `batch_size` (per device).
+        recipe: `optim`, `sched`, `loss`, `mixup`, `ema` sections of the run config, plus `batch_size` (per device);
+            a section or key left out takes its declared default (`ssogvit.train.settings`).
         transfer: optional `{"ckpt", "mode", "use_ema"}`: load a source checkpoint's weights (all but the head) and,
             with `mode="linear"`, train only the head (linear probe).
+
+    The plain dicts are saved as the hyper-parameters; the module reads them as typed settings (`self.optim`,
+    `self.sched`, `self.loss`, `self.mixup`, `self.ema_settings`), each value checked by its declared spec.
     """
 
     def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None):
@@ -66,35 +83,35 @@ class ClassificationModule(pl.LightningModule):
         self.model = build_model(model_config)
         self.hparams["model_config"] = dict(self.model.config)  # the canonical form, as create_model records it
         self.recipe = recipe
+        self.optim = settings_of(OptimSettings, recipe.get("optim"), key="optim")
+        self.sched = settings_of(SchedSettings, recipe.get("sched"), key="sched")
+        self.loss = settings_of(LossSettings, recipe.get("loss"), key="loss")
+        self.mixup = settings_of(MixupSettings, recipe.get("mixup"), key="mixup")
+        self.ema_settings = settings_of(EmaSettings, recipe.get("ema"), key="ema")
         self.num_classes = int(self.model.num_classes)
-        self.linear_probe = bool(transfer and transfer.get("ckpt") and transfer.get("mode") == "linear")
-        if transfer and transfer.get("mode") not in (None, "finetune", "linear"):
-            raise ValueError(f"transfer.mode must be 'finetune' or 'linear', got {transfer.get('mode')!r}")
-        if transfer and transfer.get("ckpt"):
-            self._load_source(transfer["ckpt"], use_ema=bool(transfer.get("use_ema")))
+        source = settings_of(TransferSettings, transfer, key="transfer") if transfer else TransferSettings()
+        self.linear_probe = bool(source.ckpt and source.mode == "linear")
+        if source.ckpt:
+            self._load_source(source.ckpt, use_ema=bool(source.use_ema))
 
-        mix = recipe.get("mixup") or {}
-        smoothing = float((recipe.get("loss") or {}).get("smoothing", 0.0))
+        mix = self.mixup
+        self.smoothing = float(self.loss.smoothing)
         self.mixup_fn = None
-        if mix.get("mixup_alpha", 0) > 0 or mix.get("cutmix_alpha", 0) > 0:
+        if mix.mixup_alpha > 0 or mix.cutmix_alpha > 0:
             from timm.data import Mixup
 
             self.mixup_fn = Mixup(
-                mixup_alpha=mix["mixup_alpha"], cutmix_alpha=mix["cutmix_alpha"], prob=mix.get("prob", 1.0),
-                switch_prob=mix.get("switch_prob", 0.5), mode=mix.get("mode", "batch"), label_smoothing=smoothing,
-                num_classes=self.num_classes,
+                mixup_alpha=mix.mixup_alpha, cutmix_alpha=mix.cutmix_alpha, prob=mix.prob, switch_prob=mix.switch_prob,
+                mode=mix.mode, label_smoothing=self.smoothing, num_classes=self.num_classes,
             )
-        self.smoothing = smoothing
-        jasmin = (recipe.get("loss") or {}).get("jasmin") or {}
-        self.jasmin_weight = float(jasmin.get("weight", 0.0))
-        self.jasmin_options = jasmin_options(jasmin)
+        self.jasmin_weight = float(self.loss.jasmin.weight)
+        self.jasmin_options = jasmin_options(dataclasses.asdict(self.loss.jasmin))
 
-        ema = recipe.get("ema") or {}
         self.ema = None
-        if ema.get("enabled"):
+        if self.ema_settings.enabled:
             from timm.utils import ModelEmaV3
 
-            self.ema = ModelEmaV3(self.model, decay=float(ema.get("decay", 0.9999)))
+            self.ema = ModelEmaV3(self.model, decay=float(self.ema_settings.decay))
         self.saving_resumable = False  # set by `save_resumable` around the saves a resume may use
 
     # transfer -----------------------------------------------------------------------------------------------------
@@ -190,22 +207,21 @@ class ClassificationModule(pl.LightningModule):
     def configure_optimizers(self):
         from timm.optim import create_optimizer_v2
 
-        optim = dict(self.recipe["optim"])
+        optim = self.optim
         lr = scaled_lr(optim, int(self.recipe["batch_size"]), self.trainer)
         # timm: AdamW; the model's no_weight_decay() set, 1-D params (norms, biases) get no weight decay
         optimizer = create_optimizer_v2(
-            self.model, opt=optim.get("opt", "adamw"), lr=lr, weight_decay=float(optim["weight_decay"]),
-            betas=tuple(optim.get("betas", (0.9, 0.999))), eps=float(optim.get("eps", 1e-8)), filter_bias_and_bn=True,
-            **self._fused_step(optim),
+            self.model, opt=optim.opt, lr=lr, weight_decay=float(optim.weight_decay), betas=tuple(optim.betas),
+            eps=float(optim.eps), filter_bias_and_bn=True, **self._fused_step(optim),
         )
-        schedule = step_cosine_schedule(optimizer, self.trainer, self.recipe["sched"])
+        schedule = step_cosine_schedule(optimizer, self.trainer, self.sched)
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
-    def _fused_step(self, optim: Mapping[str, Any]) -> dict[str, bool]:
+    def _fused_step(self, optim: OptimSettings) -> dict[str, bool]:
         """`fused=True` for Adam(W) on the CPU: PyTorch's one-kernel update, 6x faster than its per-tensor loop on a
         small model (on CUDA PyTorch already picks its multi-tensor path, and AMP's gradient clipping refuses
         fused optimizers)."""
-        fusable = str(optim.get("opt", "adamw")).lower() in ("adam", "adamw")
+        fusable = str(optim.opt).lower() in ("adam", "adamw")
         return {"fused": True} if fusable and self.device.type == "cpu" else {}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:

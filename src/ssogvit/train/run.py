@@ -60,7 +60,7 @@ def build_datamodule(cfg: DictConfig):
 
 def resolve_resume(cfg: DictConfig, ckpt_dir: Path) -> str | None:
     """The checkpoint to resume from (`resume: auto` -> `last.ckpt` if present), checked to be readable."""
-    resume = cfg.get("resume")
+    resume = cfg.resume
     if resume in NO_RESUME:
         return None
     path = ckpt_dir / "last.ckpt" if resume == "auto" else Path(str(resume))
@@ -229,7 +229,7 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
-    resume_setting = cfg.get("resume")
+    resume_setting = cfg.resume
     if resume_setting not in NO_RESUME and resume_setting != "auto":
         check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
 

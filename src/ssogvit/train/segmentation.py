@@ -49,7 +49,7 @@ class SegmentationModule(ClassificationModule):
             raise ValueError("mixup / cutmix mix images, not masks: set mixup.mixup_alpha=0 and mixup.cutmix_alpha=0")
         if self.jasmin_weight > 0:
             raise ValueError("loss.jasmin is a classification regulariser: set loss.jasmin.weight=0")
-        self.ignore_index = int(recipe.get("ignore_index", -100))
+        self.ignore_index = int(recipe["ignore_index"])
         self.train_metrics = segmentation_metrics(self.num_classes, self.ignore_index)
         self.val_metrics = segmentation_metrics(self.num_classes, self.ignore_index)
         self.val_ema_metrics = segmentation_metrics(self.num_classes, self.ignore_index) if self.ema else None
