@@ -115,3 +115,16 @@ def test_the_default_main_job_finishes_with_status_0(tmp_path, capsys):
     text = capsys.readouterr().out
     print(text)
     assert code == 0 and "ssog-steered - mha" in text and (tmp_path / "main" / "comparison.md").is_file()
+
+
+@pytest.mark.parametrize("mixer, pool, head", [("ssog", None, "avg"), ("mha", None, "token"), ("ssog", "token",
+                                                                                               "token")])
+def test_an_experiment_without_a_head_is_labelled_with_the_head_its_model_builds(monkeypatch, mixer, pool, head):
+    from omegaconf import OmegaConf
+
+    import ssogvit.train.config as config
+    from ssogvit.train.main_job import experiment_model
+
+    cfg = OmegaConf.create({"model": {"mixer": mixer, "kwargs": {"global_pool": pool}}})
+    monkeypatch.setattr(config, "compose", lambda overrides: cfg)
+    assert experiment_model("x") == (mixer, head)

@@ -58,11 +58,15 @@ def load_plan() -> dict[str, Any]:
 
 
 def experiment_model(experiment: str) -> tuple[str, str]:
-    """`(mixer, own head)` of an experiment: its `model.mixer` and `model.kwargs.global_pool` (null: token)."""
+    """`(mixer, own head)` of an experiment: its `model.mixer` and `model.kwargs.global_pool` (null: the mixer's
+    own head, `ssogvit.layers.default_pool`, as the model builds it)."""
+    from ssogvit.layers import default_pool
+
     from .config import compose
 
     cfg = compose([f"experiment={experiment}"])
-    return str(cfg.model.mixer), str(cfg.model.kwargs.get("global_pool") or "token")
+    pool = cfg.model.kwargs.get("global_pool")
+    return str(cfg.model.mixer), str(default_pool(cfg.model.mixer) if pool is None else pool)
 
 
 def plan_runs(out: Path, plan: dict[str, Any], overrides: Sequence[str] = (), *, mixers: Sequence[str] | None = None,
