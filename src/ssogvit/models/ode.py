@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 from torchdiffeq._impl.odeint import SOLVERS  # the solver classes, for their own step functions (see Flow)
 
-from ssogvit.inputs import Flag, Float, Text, check_args
+from ssogvit.specs import Flag, Float, Text, check_args
 
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 

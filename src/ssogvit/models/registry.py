@@ -26,14 +26,9 @@ from torch import nn
 
 import torch
 
-from ssogvit.inputs import (
-    MAX_PARAMETERS,
-    DocumentError,
-    InputError,
-    check_no_interpolation,
-    format_bytes,
-    read_document,
-)
+from ssogvit.documents import MAX_PARAMETERS, DocumentError, check_no_interpolation, read_document
+from ssogvit.errors import InputError
+from ssogvit.resources import format_bytes
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SIZES, VisionTransformerBase

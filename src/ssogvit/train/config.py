@@ -9,7 +9,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, InputError, Int, Spec
+from ssogvit.errors import InputError
+from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, Int, Spec
 
 from .errors import ConfigError
 
