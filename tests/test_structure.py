@@ -275,3 +275,18 @@ def test_the_bottom_floor_imports_nothing_above_it():
         if tops - set(sys.stdlib_module_names):
             foreign[mod] = sorted(tops - set(sys.stdlib_module_names))
     assert not foreign, foreign
+
+
+def test_every_error_of_a_users_mistake_is_a_user_error_and_the_reporter_catches_that_one_class():
+    from ssogvit.data import DataConfigError, DataError
+    from ssogvit.documents import DocumentError
+    from ssogvit.errors import InputError, InputTypeError, UsageError, UserError, user_errors
+    from ssogvit.outputs import OutputError, OutputExistsError
+    from ssogvit.resources import MemoryLimitError
+    from ssogvit.train.errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
+
+    ours = (InputError, InputTypeError, UsageError, DocumentError, MemoryLimitError, OutputError, OutputExistsError,
+            TrainError, CheckpointError, ConfigError, NonFiniteError, RunFolderError, DataError, DataConfigError)
+    assert [cls.__name__ for cls in ours if not issubclass(cls, UserError)] == []
+    assert user_errors()[0] is UserError and not any(issubclass(e, UserError) for e in user_errors()[1:])
+    assert issubclass(InputError, ValueError) and issubclass(TrainError, RuntimeError)  # as before the base came
