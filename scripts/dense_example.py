@@ -16,7 +16,7 @@ import copy
 import torch
 
 from ssogvit.data import create_datamodule
-from ssogvit.inputs import IMG_SIZE, Int
+from ssogvit.specs import IMG_SIZE, Int
 from ssogvit.models import create_segmentation_model
 from ssogvit.train.segmentation import evaluate_segmentation
 

@@ -323,7 +323,7 @@ def test_bench_refuses_a_run_that_would_measure_nothing(tmp_path, capsys):
     assert not out.exists()
     from ssogvit.bench.cli import main
 
-    with pytest.raises(SystemExit) as refused:  # the option's declaration (ssogvit.inputs), argparse's one line
+    with pytest.raises(SystemExit) as refused:  # the option's declaration (ssogvit.specs), argparse's one line
         main(["operator", "--iters", "-1", "--out", str(out)])
     assert refused.value.code == 2 and not out.exists()
     assert "argument --iters: expected an integer >= 0, got '-1'" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from PIL import Image
 
 from ssogvit.data import DataError, DigitScenesDataModule, create_datamodule, load_digits_split
 from ssogvit.data._segmentation import build_joint_transform
-from ssogvit.inputs import InputError
+from ssogvit.errors import InputError
 
 
 def scenes(**kw) -> DigitScenesDataModule:

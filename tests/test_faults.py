@@ -19,7 +19,8 @@ import torch
 
 from ssogvit.cli import main as cli_main
 from ssogvit.models import create_model
-from ssogvit.outputs import LOCK_NAME, is_temp_name
+from ssogvit.outputs import is_temp_name
+from ssogvit.train.run_folder import LOCK_NAME
 from ssogvit.train.io import DIGEST_KEY, content_digest, export_safetensors, load_model, read_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -1,6 +1,6 @@
-"""One way in (`ssogvit.inputs`): one declaration per argument checks a constructor's argument, a command-line option
-and a run-config key alike; documents from disk are bounded and never interpolated; sizes beyond the machine are
-refused with the estimate."""
+"""One way in (`ssogvit.specs`, `ssogvit.documents`, `ssogvit.resources`; `ssogvit.inputs` names them all): one
+declaration per argument checks a constructor's argument, a command-line option and a run-config key alike;
+documents from disk are bounded and never interpolated; sizes beyond the machine are refused with the estimate."""
 
 from __future__ import annotations
 
@@ -12,29 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from ssogvit import inputs
+from ssogvit import documents, inputs, resources
+from ssogvit.documents import DocumentError, input_file, input_folder, parse_document, read_document
+from ssogvit.errors import InputError, InputTypeError
+from ssogvit.resources import MemoryLimitError, check_device, check_memory
 from ssogvit.models import check_model_config
-from ssogvit.inputs import (
-    IMG_SIZE,
-    Choice,
-    DocumentError,
-    Flag,
-    Float,
-    InputError,
-    InputTypeError,
-    Int,
-    IntOrPair,
-    Ints,
-    MemoryLimitError,
-    Text,
-    check_device,
-    check_memory,
-    checked,
-    input_file,
-    input_folder,
-    parse_document,
-    read_document,
-)
+from ssogvit.specs import IMG_SIZE, Choice, Flag, Float, Int, IntOrPair, Ints, Text, checked
 
 
 @pytest.mark.parametrize("value, normalised", [(224, 224), (np.int64(224), 224), (np.int32(1), 1),
@@ -150,10 +133,10 @@ def test_a_model_too_large_for_the_machine_is_refused_with_the_estimate_before_a
 
 
 def test_memory_limit_is_the_least_of_physical_cgroup_and_address_space(monkeypatch):
-    monkeypatch.setattr(inputs, "_cgroup_limit", lambda: 3 << 30)
-    assert inputs.memory_limit() == (3 << 30, "the cgroup memory limit")
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (inputs._address_space_in_use() + (1 << 30), -1))
-    limit, source = inputs.memory_limit()
+    monkeypatch.setattr(resources, "_cgroup_limit", lambda: 3 << 30)
+    assert resources.memory_limit() == (3 << 30, "the cgroup memory limit")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resources._address_space_in_use() + (1 << 30), -1))
+    limit, source = resources.memory_limit()
     assert source.startswith("the room left under RLIMIT_AS") and abs(limit - (1 << 30)) < 1 << 28
     with pytest.raises(MemoryLimitError, match=r"--img-size: a batch needs at least 2 GB, more than the room left "
                                                r"under RLIMIT_AS \(ulimit -v\) allows"):
@@ -186,7 +169,7 @@ def test_paths_and_devices(tmp_path):
 def test_a_yaml_alias_bomb_is_refused_before_it_grows():
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
-    with pytest.raises(DocumentError, match=f"more than {inputs.MAX_YAML_ALIASES} YAML aliases"):
+    with pytest.raises(DocumentError, match=f"more than {documents.MAX_YAML_ALIASES} YAML aliases"):
         parse_document(bomb, "config.yaml")
     assert parse_document("a: &x 1\nb: *x\n", "config.yaml") == {"a": 1, "b": 1}  # a few aliases are fine
 
@@ -203,7 +186,7 @@ def test_an_interpolation_is_refused_and_never_resolved_or_shown(text, monkeypat
     ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),
     ("a: [1, 2\n", "not valid YAML"),
     ("[" * 5000 + "]" * 5000, "not valid YAML"),
-    ("x: " + "a" * (inputs.MAX_DOCUMENT_BYTES + 1), "larger than"),
+    ("x: " + "a" * (documents.MAX_DOCUMENT_BYTES + 1), "larger than"),
 ])
 def test_unsafe_or_broken_yaml_is_refused(text, needle):
     with pytest.raises(DocumentError, match=needle):
@@ -216,7 +199,7 @@ def test_read_document_reads_json_as_json_and_bounds_the_file(tmp_path):
     (tmp_path / "bad.json").write_text("a: 1")  # YAML, not JSON
     with pytest.raises(DocumentError, match="not valid JSON"):
         read_document(tmp_path / "bad.json")
-    (tmp_path / "big.yaml").write_bytes(b"#" * (inputs.MAX_DOCUMENT_BYTES + 1))
+    (tmp_path / "big.yaml").write_bytes(b"#" * (documents.MAX_DOCUMENT_BYTES + 1))
     with pytest.raises(DocumentError, match="larger than"):
         read_document(tmp_path / "big.yaml")
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
@@ -239,3 +222,11 @@ def test_a_model_config_from_a_file_is_checked_on_the_meta_device(config, needle
     assert str(info.value).startswith("x/config.json: ") and needle in str(info.value)
     assert check_model_config({"name": "vit-tiny-ssog", "img_size": 32}, source="ok") == {
         "name": "vit-tiny-ssog", "img_size": 32}
+
+
+def test_ssogvit_inputs_names_the_same_objects_as_the_modules_that_define_them():
+    from ssogvit import errors, specs
+
+    for name in inputs.__all__:
+        homes = [m for m in (specs, documents, resources, errors) if name in getattr(m, "__all__", ())]
+        assert len(homes) == 1 and getattr(inputs, name) is getattr(homes[0], name), name

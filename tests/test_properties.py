@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ssogvit import create_mixer, create_model
-from ssogvit.inputs import IMG_SIZE, DocumentError, Float, InputError, Int, parse_document
+from ssogvit.documents import DocumentError, parse_document
+from ssogvit.errors import InputError
+from ssogvit.specs import IMG_SIZE, Float, Int
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

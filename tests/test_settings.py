@@ -11,7 +11,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from ssogvit.inputs import InputError
+from ssogvit.errors import InputError
 from ssogvit.train.config import CONFIG_MODULE, check_run_config, compose
 from ssogvit.train.errors import ConfigError
 from ssogvit.train.losses import jasmin_options

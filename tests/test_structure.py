@@ -176,8 +176,13 @@ def test_analyze_refuses_a_model_option_without_a_value(tmp_path, capsys):
 
 
 def _import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the ``ssogvit`` modules it imports, at module level or inside functions (package ``__init__``
-    files are left out: importing a package's member always runs its ``__init__``)."""
+    """Module -> the ``ssogvit`` modules it imports, at module level or inside functions, packages included.
+
+    ``from P import name`` is an edge to ``P.name`` when that is a module, else to ``P`` (a package's ``__init__``,
+    whose own imports are edges too); ``import P.Q`` is an edge to ``P.Q``. The parents a submodule import runs first
+    (``ssogvit/__init__`` for ``ssogvit.ops``) are not edges: Python runs them whatever the importer, and they take
+    no name from a module that is still loading.
+    """
     def name(path: Path) -> str:
         parts = path.relative_to(root.parent).with_suffix("").parts
         return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -185,38 +190,103 @@ def _import_graph(root: Path) -> dict[str, set[str]]:
     modules = {name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in modules.items():
-        if path.name == "__init__.py":
-            continue
-        package = mod.rsplit(".", 1)[0]
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1] if node.level else []
                 target = ".".join([*base, *([node.module] if node.module else [])])
-                targets |= {t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in modules}
+                submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                targets |= submodules
+                if len(submodules) < len(node.names) and target in modules:  # a name the module itself defines
+                    targets.add(target)
             elif isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names if a.name in modules}
-        graph[mod] = {t for t in targets if t != mod and modules[t].name != "__init__.py"}
+        graph[mod] = targets - {mod}
     return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is a set of modules that import one
+    another round a circle; sorted names, largest first."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(mod: str) -> None:
+        index[mod] = low[mod] = len(index)
+        stack.append(mod)
+        for t in graph.get(mod, ()):
+            if t not in index:
+                visit(t)
+                low[mod] = min(low[mod], low[t])
+            elif t in stack:
+                low[mod] = min(low[mod], index[t])
+        if low[mod] == index[mod]:
+            component = []
+            while True:
+                t = stack.pop()
+                component.append(t)
+                if t == mod:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for mod in sorted(graph):
+        if mod not in index:
+            visit(mod)
+    return sorted(found, key=len, reverse=True)
 
 
 def test_no_module_imports_one_that_imports_it_back():
     graph = _import_graph(Path(ssogvit.__file__).parent)
-    cycles = []
-
-    def visit(mod: str, stack: list[str]) -> None:
-        for t in sorted(graph.get(mod, ())):
-            if t in stack:
-                cycles.append(stack[stack.index(t):] + [t])
-            elif t in graph and t not in done:
-                visit(t, [*stack, t])
-        done.add(mod)
-
-    done: set[str] = set()
-    for mod in sorted(graph):
-        if mod not in done:
-            visit(mod, [mod])
-    assert not cycles, cycles
-    # the graph is real: it holds the edges that used to close the two cycles
+    circles = _circles(graph)
+    assert not circles, f"{len(circles)} circle(s):\n" + "\n".join(f"{len(c)} modules: {' '.join(c)}" for c in circles)
+    # the graph is real: it holds a function-level import, an import of a package's name, a package's own imports
     assert "ssogvit.train.io" in graph["ssogvit.train.module"] and "ssogvit.analysis.atoms" in graph[
         "ssogvit.analysis.fields"]
+    assert "ssogvit.models" in graph["ssogvit.train.io"] and "ssogvit.layers.ssog" in graph["ssogvit.layers"]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: the bottom floor (docs/DEVELOPING.md, "Package layout"): what every other module stands on. These import nothing
+#: of ssogvit but each other, and of the rest only the standard library, torch, numpy and PyYAML.
+FLOOR = ("ssogvit.errors", "ssogvit.specs", "ssogvit.documents", "ssogvit.resources", "ssogvit.outputs",
+         "ssogvit.inputs", "ssogvit.core", "ssogvit.extras")
+FLOOR_DEPENDENCIES = {"torch", "numpy", "yaml"}
+
+
+def test_the_bottom_floor_imports_nothing_above_it():
+    import sys
+
+    root = Path(ssogvit.__file__).parent
+    graph = _import_graph(root)
+    assert set(FLOOR) <= graph.keys()
+    upward = {mod: sorted(graph[mod] - set(FLOOR)) for mod in FLOOR if graph[mod] - set(FLOOR)}
+    assert not upward, upward
+    foreign = {}
+    for mod in FLOOR:
+        tree = ast.parse((root.parent / (mod.replace(".", "/") + ".py")).read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        tops = {n.split(".")[0] for n in names} - {"ssogvit", "__future__"} - FLOOR_DEPENDENCIES
+        if tops - set(sys.stdlib_module_names):
+            foreign[mod] = sorted(tops - set(sys.stdlib_module_names))
+    assert not foreign, foreign
+
+
+def test_every_error_of_a_users_mistake_is_a_user_error_and_the_reporter_catches_that_one_class():
+    from ssogvit.data import DataConfigError, DataError
+    from ssogvit.documents import DocumentError
+    from ssogvit.errors import InputError, InputTypeError, UsageError, UserError, user_errors
+    from ssogvit.outputs import OutputError, OutputExistsError
+    from ssogvit.resources import MemoryLimitError
+    from ssogvit.train.errors import CheckpointError, ConfigError, NonFiniteError, RunFolderError, TrainError
+
+    ours = (InputError, InputTypeError, UsageError, DocumentError, MemoryLimitError, OutputError, OutputExistsError,
+            TrainError, CheckpointError, ConfigError, NonFiniteError, RunFolderError, DataError, DataConfigError)
+    assert [cls.__name__ for cls in ours if not issubclass(cls, UserError)] == []
+    assert user_errors()[0] is UserError and not any(issubclass(e, UserError) for e in user_errors()[1:])
+    assert issubclass(InputError, ValueError) and issubclass(TrainError, RuntimeError)  # as before the base came

@@ -25,9 +25,10 @@ from omegaconf import OmegaConf
 from ssogvit.cli import main as cli_main
 from ssogvit.train import load_model
 from ssogvit.train.config import compose, quote_override
-from ssogvit.outputs import LOCK_NAME, is_temp_name, temp_path
+from ssogvit.outputs import is_temp_name, temp_path
 from ssogvit.train.io import atomic_write, read_checkpoint
-from ssogvit.train.run_folder import RunLock, config_diff, folder_state, prune_logs
+from ssogvit.train.run_folder import LOCK_NAME, config_diff, folder_state, prune_logs
+from ssogvit.train.run_folder import FolderLock as RunLock
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 

@@ -1,6 +1,14 @@
-"""How a command reports its user's mistakes: `UsageError` and the other user errors end in one or two lines naming
-the problem and the fix, exit status 2, no traceback (unless `--debug` or `SSOGVIT_DEBUG=1`). `Interrupted` is how
-SIGINT and SIGTERM end a command: one line, exit status 128 + the signal's number."""
+"""A user's mistake and how a command reports it (docs/DEVELOPING.md, "How a command takes input and writes output").
+
+`UserError` is the one base class of a user's mistake: every error ssogvit raises for what it was given (`InputError`
+of the argument checks, `UsageError` of a command, `ssogvit.train.TrainError`, `ssogvit.data.DataError`, ...) derives
+from it, so the command line's reporter catches one class and this module imports nothing above it. A user error
+ends a command in one or two lines naming the problem and the fix, exit status 2, no traceback (unless `--debug` or
+`SSOGVIT_DEBUG=1`). `Interrupted` is how SIGINT and SIGTERM end a command: one line, exit status 128 + the signal's
+number.
+
+This module imports only the standard library: it is the bottom of the bottom floor.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +16,46 @@ import argparse
 import os
 import signal
 import sys
+from typing import Any
 
-from ssogvit.inputs import InputError
-
-__all__ = ["DEBUG_ENV", "ArgumentParser", "Interrupted", "UsageError", "debug_enabled", "format_error",
-           "report_errors", "user_errors"]
+__all__ = ["DEBUG_ENV", "ArgumentParser", "InputError", "InputTypeError", "Interrupted", "UsageError", "UserError",
+           "debug_enabled", "format_error", "refused", "report_errors", "user_errors"]
 
 DEBUG_ENV = "SSOGVIT_DEBUG"
 
 
-class UsageError(Exception):
+class UserError(Exception):
+    """A user's mistake, not a bug: a value, a file, an option or a launch ssogvit refuses; the message says what was
+    wrong and what to do instead. Reported by a command in one or two lines, exit status 2."""
+
+
+class InputError(UserError, ValueError):
+    """A value a constructor or a command refuses; the one-line message names the argument and what was expected.
+
+    Attributes:
+        argument: the argument's name as its caller wrote it (`img_size`, `--img-size`, `data.img_size`).
+        expected: what would have been accepted (`an integer in [1, 16384]`), when the error is about one value.
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None, expected: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.expected = expected
+
+
+class InputTypeError(InputError, TypeError):
+    """A value of the wrong type (`img_size=224.5`, `num_heads="4"`)."""
+
+
+def refused(name: str, value: Any, expected: str, *, wrong_type: bool = False) -> InputError:
+    """The error refusing `value` of the argument `name`: `name=<value>: expected <expected>` (the value shortened to
+    60 characters); an `InputTypeError` if the value is of the wrong type."""
+    cls = InputTypeError if wrong_type else InputError
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return cls(f"{name}={shown}: expected {expected}", argument=name, expected=expected)
+
+
+class UsageError(UserError):
     """Bad input to a command (a file it cannot use, an option it does not take); the message names the fix."""
 
 
@@ -54,14 +92,11 @@ def debug_enabled() -> bool:
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's input, not a bug: reported in one or two lines, exit status 2.
 
-    The errors of the training stack (Hydra, OmegaConf, the datamodules) count where their modules were imported:
-    one that was never imported cannot have been raised, and a command without the training extra runs without it.
+    Ours are the `UserError`s; Hydra's and OmegaConf's count where their modules were imported: one that was never
+    imported cannot have been raised, and a command without the training extra runs without them.
     """
-    from ssogvit.train.errors import TrainError
-
-    found: list[type[BaseException]] = [TrainError, UsageError, InputError]
-    for module, name in (("hydra.errors", "HydraException"), ("omegaconf.errors", "OmegaConfBaseException"),
-                         ("ssogvit.data._common", "DataError")):
+    found: list[type[BaseException]] = [UserError]
+    for module, name in (("hydra.errors", "HydraException"), ("omegaconf.errors", "OmegaConfBaseException")):
         if module in sys.modules:
             found.append(getattr(sys.modules[module], name))
     return tuple(found)

@@ -31,7 +31,9 @@ from torch import Tensor, nn
 
 from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_errors
 from ssogvit.extras import require_extra
-from ssogvit.inputs import IMG_SIZE, Float, Int, check_memory, input_file
+from ssogvit.documents import input_file
+from ssogvit.resources import check_memory
+from ssogvit.specs import IMG_SIZE, Float, Int
 from ssogvit.outputs import OVERWRITE_FLAG, OutputError, atomic_write, check_output_file
 
 __all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "second_shape", "main"]

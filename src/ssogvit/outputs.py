@@ -16,47 +16,34 @@ Files:
 Temporary files and folders are named `.<name>.ssogvit-tmp-<host>-<pid>-<random>[<suffix>]`; `remove_stale_temp_files`
 removes only names of that form whose writer (this host, that pid) is no longer alive, never a user's own file.
 
-Folders: `RunFolder` is what a folder that belongs to one run of one command holds and when a launch may use it:
-`.ssogvit.lock` (an exclusive `flock` held by the live run; the OS releases it when the process dies), `run.json`
-(`{"status": "running" | "finished", "command": ...}`), `config.yaml` (the run's config). A launch may use a folder
-that holds no run, or resume the unfinished run of the same command and config; anything else is a `FolderError`
-whose one line says how to resume or where to write instead.
+The folders a command owns (a run's lock, `run.json`, when a launch may resume) are the training package's
+(`ssogvit.train.run_folder`). This module imports the standard library and `ssogvit.errors` only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
-from ssogvit.inputs import DocumentError, InputError, read_document
+from ssogvit.errors import InputError
 
 __all__ = [
-    "OutputError", "OutputExistsError", "FolderError", "OVERWRITE_FLAG", "TEMP_TAG", "LOCK_NAME", "STATE_NAME",
-    "RUN_FILES", "IGNORED_KEYS",
+    "OutputError", "OutputExistsError", "OVERWRITE_FLAG", "TEMP_TAG", "HOST",
     "check_output_file", "check_output_folder", "atomic_write", "write_text", "write_bytes", "write_json",
-    "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files", "FolderLock", "RunFolder",
-    "config_diff",
+    "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files",
 ]
 
 OVERWRITE_FLAG = "--overwrite"  # the one spelling, for every command
 TEMP_TAG = "ssogvit-tmp"
-LOCK_NAME, STATE_NAME = ".ssogvit.lock", "run.json"
-#: what makes a folder hold a run (anything else in it is left alone)
-RUN_FILES = ("config.yaml", "run.json", "checkpoints", "export", "logs", "tb", "fit")
-#: run-config keys that may differ between the launches of one run: where things are, not what is computed
-IGNORED_KEYS = ("resume", "output_dir", "data.root", "data.num_workers", "data.pin_memory",
-                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.logger", "logger", "progress",
-                "cluster")
 
 
 class OutputError(InputError):
@@ -65,10 +52,6 @@ class OutputError(InputError):
 
 class OutputExistsError(OutputError, FileExistsError):
     """An output that exists, and the user did not ask to replace it."""
-
-
-class FolderError(OutputError):
-    """A folder that holds a finished or different run, or that another live process is writing to."""
 
 
 # -- checks before any work -----------------------------------------------------------------------------------------
@@ -137,14 +120,15 @@ def check_output_file(path: str | os.PathLike, argument: str = "--out", *, overw
 
 # -- temporary names ------------------------------------------------------------------------------------------------
 
-_HOST = re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname()) or "host"
+#: this machine's name as temporary names (and run folders' locks) give it
+HOST = re.sub(r"[^A-Za-z0-9.]", "", socket.gethostname()) or "host"
 _TEMP = re.compile(rf"^\..*\.{TEMP_TAG}-(?P<host>[A-Za-z0-9.]+)-(?P<pid>\d+)-[0-9a-f]{{8}}")
 
 
 def temp_path(path: str | os.PathLike) -> Path:
     """A fresh temporary name beside `path`, recognisably ours, with `path`'s suffix (some writers go by it)."""
     p = Path(path)
-    return p.with_name(f".{p.name}.{TEMP_TAG}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{p.suffix}")
+    return p.with_name(f".{p.name}.{TEMP_TAG}-{HOST}-{os.getpid()}-{secrets.token_hex(4)}{p.suffix}")
 
 
 def is_temp_name(name: str) -> bool:
@@ -154,7 +138,7 @@ def is_temp_name(name: str) -> bool:
 
 def _writer_alive(name: str) -> bool:
     m = _TEMP.match(name)
-    if m is None or m["host"] != _HOST:
+    if m is None or m["host"] != HOST:
         return True  # another machine's (a shared file system): it cannot be told dead from here
     try:
         os.kill(int(m["pid"]), 0)
@@ -267,8 +251,13 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = False
 
 
 def write_json(path: str | os.PathLike, data: Any, *, overwrite: bool = False,
-               default: Callable[[Any], Any] | None = str) -> Path:
-    """`data` as indented JSON to `path` through `atomic_write`."""
+               default: Callable[[Any], Any] | None = None) -> Path:
+    """`data` as indented JSON to `path` through `atomic_write`.
+
+    Args:
+        default: what a value JSON does not know becomes (`json.dumps`'s `default`: `str`, or
+            `ssogvit.results.jsonable` for tensors and paths); None refuses it with `TypeError`.
+    """
     return write_text(path, json.dumps(data, indent=2, default=default) + "\n", overwrite=overwrite)
 
 
@@ -307,176 +296,3 @@ def staged_outputs(folder: str | os.PathLike, argument: str = "--out", *, overwr
             for p in created:  # innermost first
                 with contextlib.suppress(OSError):
                     p.rmdir()
-
-
-# -- folders a command owns -----------------------------------------------------------------------------------------
-
-
-class FolderLock:
-    """`with FolderLock(folder):` holds an exclusive `flock` on `folder/.ssogvit.lock` (creating both if needed).
-
-    Raises `FolderError` at once if another live process holds it, or if the lock file there was not written by
-    ssogvit (it is never overwritten).
-    """
-
-    def __init__(self, folder: str | os.PathLike, *, elsewhere: str = "write elsewhere") -> None:
-        self.folder = Path(folder)
-        self.elsewhere = elsewhere
-        self._fd: int | None = None
-
-    @property
-    def path(self) -> Path:
-        return self.folder / LOCK_NAME
-
-    def __enter__(self) -> FolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise FolderError(f"another live run ({holder}) is writing to {self.folder}; wait for it to end "
-                              f"or {self.elsewhere}", argument=str(self.folder)) from None
-        held = os.read(fd, 200).decode(errors="replace")
-        if held.strip() and not held.startswith("ssogvit "):
-            os.close(fd)
-            raise FolderError(f"{self.path} exists and was not written by ssogvit; it was left as it is: "
-                              f"{self.elsewhere}", argument=str(self.folder))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"ssogvit pid {os.getpid()} on {_HOST}\n".encode(), 0)
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
-
-
-def config_diff(saved: Mapping[str, Any], new: Mapping[str, Any], ignored: Sequence[str] = IGNORED_KEYS) -> list[str]:
-    """`"key: saved A, now B"` for each key (dotted) that differs, `ignored` keys and their children left out."""
-    a, b = _flatten(saved), _flatten(new)
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if key in ignored or key.startswith(tuple(k + "." for k in ignored)):
-            continue
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append(f"{key}: saved {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r}")
-    return out
-
-
-_NO_RESUME = (None, False, "null", "none", "false")
-
-
-class RunFolder:
-    """A folder that belongs to one run of one command: what it holds, who writes to it, whether a launch may use it.
-
-    Args:
-        path: the folder.
-        command: the command whose runs it holds (`train`, `transfer`, `convert`, ...), recorded in `run.json`.
-        elsewhere: how the user writes somewhere else (`output_dir=<new folder>`, `--out <new folder>`).
-        ignored: config keys that may differ between the launches of one run.
-    """
-
-    def __init__(self, path: str | os.PathLike, *, command: str, elsewhere: str = "output_dir=<new folder>",
-                 ignored: Sequence[str] = IGNORED_KEYS) -> None:
-        self.path = Path(path)
-        self.command = command
-        self.elsewhere = elsewhere
-        self.ignored = tuple(ignored)
-
-    def lock(self) -> FolderLock:
-        """The folder's lock: hold it for the whole launch."""
-        return FolderLock(self.path, elsewhere=f"write elsewhere with {self.elsewhere}")
-
-    def record(self) -> dict[str, Any]:
-        """What `run.json` says (`{}` if absent or unreadable)."""
-        try:
-            record = read_document(self.path / STATE_NAME, STATE_NAME)
-        except InputError:
-            return {}
-        return record if isinstance(record, dict) else {}
-
-    def state(self) -> str:
-        """`"fresh"` (no run), `"unfinished"`, `"finished"` or `"foreign"` (run files without a `config.yaml`)."""
-        if not any((self.path / name).exists() for name in RUN_FILES):
-            return "fresh"
-        state_file = self.path / STATE_NAME
-        if state_file.is_file():
-            if self.record().get("status") == "finished":
-                return "finished"
-        elif (self.path / "export" / "model.safetensors").is_file():  # a run written before run.json existed
-            return "finished"
-        return "unfinished" if (self.path / "config.yaml").is_file() else "foreign"
-
-    def decide_resume(self, resume: Any, config: Mapping[str, Any]) -> str | None:
-        """The checkpoint a launch resumes from (None: a fresh start), or `FolderError` saying what to do instead.
-
-        Args:
-            resume: the run config's `resume` (`auto`, null, or a path).
-            config: the launch's resolved config, compared with the `config.yaml` of an unfinished run here.
-        """
-        state, folder = self.state(), self.path
-        elsewhere = f"or write elsewhere with {self.elsewhere}"
-        explicit = None if resume in (*_NO_RESUME, "auto") else str(resume)
-        other = self.record().get("command", "train")
-        if state != "fresh" and other != self.command:
-            raise FolderError(f"{folder} holds a run of `ssogvit {other}`, not of `ssogvit {self.command}`; write "
-                              f"elsewhere with {self.elsewhere}", argument=str(folder))
-        if state == "finished":
-            raise FolderError(f"{folder} holds a finished run; evaluate it with `ssogvit eval --ckpt "
-                              f"{folder / 'checkpoints' / 'best.ckpt'}`, {elsewhere}", argument=str(folder))
-        if state == "foreign":
-            present = [n for n in RUN_FILES if (folder / n).exists()]
-            raise FolderError(f"{folder} holds files of another run ({', '.join(present)}) but no config.yaml; "
-                              f"write elsewhere with {self.elsewhere}", argument=str(folder))
-        if state == "fresh":
-            return explicit
-        try:
-            saved = read_document(folder / "config.yaml", "config.yaml")
-        except DocumentError as err:
-            raise FolderError(f"{folder} holds a run whose config.yaml cannot be used ({err}); {elsewhere}",
-                              argument=str(folder)) from None
-        diff = config_diff(saved if isinstance(saved, Mapping) else {}, config, self.ignored)
-        if diff:
-            shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-            raise FolderError(f"{folder} holds a different run ({shown}); resume it with its own settings "
-                              f"(its config.yaml), {elsewhere}", argument=str(folder))
-        if resume in _NO_RESUME:
-            raise FolderError(f"{folder} holds an unfinished run of this config; resume it with resume=auto, "
-                              f"{elsewhere}", argument=str(folder))
-        if explicit is not None:
-            return explicit
-        last = folder / "checkpoints" / "last.ckpt"
-        return str(last) if last.is_file() else None
-
-    @contextlib.contextmanager
-    def claim(self, resume: Any, config: Mapping[str, Any]) -> Iterator[str | None]:
-        """`with folder.claim(resume, config) as ckpt:` the launch's decision (`decide_resume`) taken before the
-        lock, so that a refused launch writes nothing (not even the lock file), and again holding it, in case
-        another launch came between."""
-        self.decide_resume(resume, config)
-        with self.lock():
-            yield self.decide_resume(resume, config)
-
-    def begin(self, write_config: Callable[[Path], Any], **facts: Any) -> None:
-        """Start (or resume) the run, holding the lock: remove the temporary files killed writes left, write
-        `config.yaml` with `write_config(tmp)` and mark the run `running`."""
-        remove_stale_temp_files(self.path, subfolders=(".", "checkpoints", "export", "fit"))
-        atomic_write(self.path / "config.yaml", write_config, overwrite=True)
-        self.write_state("running", pid=os.getpid(), **facts)
-
-    def write_state(self, status: str, **facts: Any) -> None:
-        """`run.json`: the run's status (`running` / `finished`), its command and facts about it, atomically."""
-        write_json(self.path / STATE_NAME, {"status": status, "command": self.command, **facts}, overwrite=True)

@@ -1,4 +1,5 @@
-"""Writing results: JSON files, Markdown tables and figures, for the analyses and the conversion report.
+"""Writing results: Markdown tables and figures, for the analyses and the conversion report (JSON files through
+`ssogvit.outputs.write_json` with `default=jsonable`).
 
 Each file goes through the one writer (`ssogvit.outputs.atomic_write`: a kill leaves the old file or nothing). These
 helpers replace a file that exists: the command calling them has checked its outputs first (`--overwrite`,
@@ -7,7 +8,6 @@ helpers replace a file that exists: the command calling them has checked its out
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,18 +15,14 @@ from typing import Any
 
 import torch
 
-from ssogvit.outputs import atomic_write
+from ssogvit.outputs import atomic_write, write_text
 
-__all__ = ["fmt", "markdown_table", "pyplot", "save_figure", "write_json", "write_markdown"]
-
-
-def write_json(path: str | Path, data: Any) -> Path:
-    """``data`` as indented JSON (tensors as lists, paths as strings); creates the folder."""
-    text = json.dumps(data, indent=2, default=_jsonable) + "\n"
-    return atomic_write(path, lambda tmp: tmp.write_text(text), overwrite=True)
+__all__ = ["fmt", "jsonable", "markdown_table", "pyplot", "save_figure", "write_markdown"]
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """A result's value JSON does not know, as JSON (tensors as lists, paths as strings): the `default` of
+    `ssogvit.outputs.write_json` for results; anything else is refused with `TypeError`."""
     if isinstance(v, torch.Tensor):
         return v.tolist()
     if isinstance(v, Path):
@@ -36,7 +32,7 @@ def _jsonable(v: Any) -> Any:
 
 def write_markdown(path: str | Path, text: str) -> Path:
     """``text`` to ``path``; creates the folder."""
-    return atomic_write(path, lambda tmp: tmp.write_text(text), overwrite=True)
+    return write_text(path, text, overwrite=True)
 
 
 def fmt(v: Any, digits: int = 3) -> str:

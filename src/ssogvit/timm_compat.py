@@ -28,7 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from torch import Tensor, nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ssogvit.inputs import Choice, Flag, checked
+from ssogvit.specs import Choice, Flag, checked
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention, is_ssog
 

@@ -16,7 +16,7 @@ def data_config(dataset: str = "digits", ckpt: str | Path | None = None) -> dict
     one, else the packaged `conf/data/<dataset>.yaml`."""
     from omegaconf import OmegaConf
 
-    from ssogvit.inputs import read_document
+    from ssogvit.documents import read_document
 
     if ckpt is not None:
         for parent in list(Path(ckpt).resolve().parents)[:3]:

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from ssogvit.errors import ArgumentParser, UsageError, report_errors
-from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, SEED, Float, InputError, Int, Ints, Spec, check_memory
+from ssogvit.errors import InputError
+from ssogvit.resources import check_memory
+from ssogvit.specs import IMG_SIZE, PATCH_SIZE, SEED, Float, Int, Ints, Spec
 from ssogvit.layers import is_ssog
-from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs
-from ssogvit.results import fmt, markdown_table, write_json, write_markdown
+from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs, write_json
+from ssogvit.results import fmt, jsonable, markdown_table, write_markdown
 from ssogvit.train.config import split_override
 
 from . import _data
@@ -298,7 +300,8 @@ def _slug(label: str) -> str:
 
 
 def _write(out: Path, what: str, data, md: str, png) -> dict:
-    files = {"json": str(write_json(out / f"{what}.json", data)), "md": str(write_markdown(out / f"{what}.md", md))}
+    files = {"json": str(write_json(out / f"{what}.json", data, overwrite=True, default=jsonable)),
+             "md": str(write_markdown(out / f"{what}.md", md))}
     if png is not None:
         files["png"] = str(png)
     return files

@@ -1,5 +1,5 @@
 """``ssogvit bench models|operator|flops|check|report`` (docs/benchmarks.md). Arguments are declared
-(``ssogvit.inputs``); a run's files are checked before any work, never replaced without ``--overwrite``, and written
+(``ssogvit.specs``); a run's files are checked before any work, never replaced without ``--overwrite``, and written
 atomically after every point (``ssogvit.outputs``)."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from ssogvit.bench.point import build
 from ssogvit.bench.runner import csv_text, machine_info, read_results, run_sweep, write_results
 from ssogvit.bench.sweeps import cell
 from ssogvit.errors import ArgumentParser, UsageError
-from ssogvit.inputs import BATCH_SIZE, EMBED_DIM, IMG_SIZE, NUM_CLASSES, NUM_HEADS, PATCH_SIZE, Float, Int, input_file
+from ssogvit.documents import input_file
+from ssogvit.specs import BATCH_SIZE, EMBED_DIM, IMG_SIZE, NUM_CLASSES, NUM_HEADS, PATCH_SIZE, Float, Int
 from ssogvit.layers import list_mixers
 from ssogvit.models import FAMILIES, SIZES, create_model
 from ssogvit.outputs import check_output_file, check_output_folder, write_text

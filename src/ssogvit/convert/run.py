@@ -1,7 +1,7 @@
 """One conversion run from a composed config (``conf/convert.yaml``): teacher, student, field fit, distillation, export.
 
 Layout of ``<output_dir>`` (that of a training run, docs/training.md, plus ``fit/``), a folder that belongs to one
-conversion (``ssogvit.outputs.RunFolder``: locked while it runs, ``run.json`` says ``convert`` and its status, a
+conversion (``ssogvit.train.run_folder.RunFolder``: locked while it runs, ``run.json`` says ``convert`` and its status, a
 relaunch resumes the unfinished conversion of the same config and refuses anything else):
 
     config.yaml                 the composed, resolved config
@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ssogvit.inputs import Choice, Flag, Float, Int, input_folder
-from ssogvit.outputs import RunFolder, atomic_write, check_output_folder, write_json, write_text
+from ssogvit.documents import input_folder
+from ssogvit.specs import Choice, Flag, Float, Int
+from ssogvit.outputs import atomic_write, check_output_folder, write_json, write_text
+from ssogvit.train.run_folder import RunFolder
 
 from .distill import RECIPES, ConversionModule
 from .fit import fit_fields, format_report, plot_fit
@@ -133,7 +135,8 @@ def _convert(cfg: DictConfig, c: dict[str, Any], out: Path, teacher, student, dm
         images = calibration_images(c["calib"], dm, int(c["calib_images"]))
         result = fit_fields(teacher, student, images, steps=int(c["fit_steps"]), lr=float(c["fit_lr"]))
         write_text(out / "fit" / "report.md", format_report(result), overwrite=True)  # this run's own files
-        write_json(out / "fit" / "report.json", {"grid": result.grid, "heads": result.rows}, overwrite=True)
+        write_json(out / "fit" / "report.json", {"grid": result.grid, "heads": result.rows}, overwrite=True,
+                   default=str)
         atomic_write(out / "fit" / "fields.png", lambda tmp: plot_fit(result, tmp), overwrite=True)
         fit_summary = {k: sum(r[k] for r in result.rows) / len(result.rows) for k in ("kl", "kl_uniform", "explained")}
 

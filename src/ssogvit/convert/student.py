@@ -40,7 +40,8 @@ _TIMM_KEY = "timm_model"
 
 
 def _read_state(path: Path) -> dict[str, Tensor]:
-    from ssogvit.inputs import InputError, input_file
+    from ssogvit.documents import input_file
+    from ssogvit.errors import InputError
     from ssogvit.train.io import CheckpointError
 
     try:
@@ -82,9 +83,8 @@ def load_teacher(path: str | Path, *, timm_model: str | None = None, timm_kwargs
         return load_model(path, use_ema=use_ema)
     import timm
 
-    from ssogvit.inputs import InputError
-
-    from ssogvit.inputs import check_memory
+    from ssogvit.errors import InputError
+    from ssogvit.resources import check_memory
 
     try:
         with torch.device("meta"):  # its size first: shapes only, no memory

@@ -9,12 +9,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ssogvit.inputs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, Flag, Int, check_memory, checked
+from ssogvit.errors import UserError
+from ssogvit.resources import check_memory
+from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, Flag, Int, checked
 
 __all__ = ["DataError", "DataConfigError", "ClassificationDataModule", "build_transform", "AUG_DEFAULTS"]
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """A dataset is missing or not in the expected format; the message says how to fix it."""
 
 

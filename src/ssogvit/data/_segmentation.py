@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
-from ssogvit.inputs import Int, check_memory, checked
+from ssogvit.resources import check_memory
+from ssogvit.specs import Int, checked
 
 from ._common import ClassificationDataModule, DataConfigError
 

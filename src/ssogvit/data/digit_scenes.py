@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ssogvit.inputs import SEED, Float, Int, IntOrPair, checked
+from ssogvit.specs import SEED, Float, Int, IntOrPair, checked
 
 from ._common import DataConfigError
 from ._segmentation import SegmentationDataModule

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ssogvit.inputs import SEED, Float, checked
+from ssogvit.specs import SEED, Float, checked
 
 from ._common import ClassificationDataModule
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from torch.utils.data import Dataset
 
-from ssogvit.inputs import IN_CHANS, Int, Text, checked
+from ssogvit.specs import IN_CHANS, Int, Text, checked
 
 from ._common import ClassificationDataModule, DataError
 

@@ -14,7 +14,9 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ssogvit.inputs import IN_CHANS, InputError, Int, checked, input_folder
+from ssogvit.documents import input_folder
+from ssogvit.errors import InputError
+from ssogvit.specs import IN_CHANS, Int, checked
 
 from ._common import DataError
 from ._segmentation import SegmentationDataModule

@@ -7,7 +7,7 @@ from typing import Annotated
 import torch
 from torch.utils.data import Dataset
 
-from ssogvit.inputs import IN_CHANS, SEED, Flag, Int, checked
+from ssogvit.specs import IN_CHANS, SEED, Flag, Int, checked
 
 from ._common import ClassificationDataModule
 

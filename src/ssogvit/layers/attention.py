@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssogvit import ops
-from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
 
 __all__ = ["Attention"]
 

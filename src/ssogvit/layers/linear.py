@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ssogvit import reference
-from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
 from ssogvit.layers.attention import Attention
 
 __all__ = ["LinearAttention"]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ssogvit import reference
-from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, InputError, Int, checked
+from ssogvit.errors import InputError
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Int, checked
 from ssogvit.layers._local import LocalAttention
 
 __all__ = ["KERNEL_SIZE", "NEIGHBORHOOD_IMPLS", "NeighborhoodAttention"]

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ssogvit import core, ops, reference
 from ssogvit.backends.torch import default_head_chunk
-from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
 
 __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "NUM_ATOMS", "RADIUS", "is_ssog"]
 

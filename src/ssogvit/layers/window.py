@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ssogvit import reference
-from ssogvit.inputs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, InputError, Int, checked
+from ssogvit.errors import InputError
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, Int, checked
 from ssogvit.layers._local import LocalAttention
 
 __all__ = ["WINDOW_SIZE", "WindowAttention"]

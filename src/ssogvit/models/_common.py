@@ -20,7 +20,8 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
-from ssogvit.inputs import (
+from ssogvit.resources import check_memory
+from ssogvit.specs import (
     DEPTH,
     DROP_RATE,
     EMBED_DIM,
@@ -33,7 +34,6 @@ from ssogvit.inputs import (
     PATCH_SIZE,
     Choice,
     IntOrPair,
-    check_memory,
     checked,
 )
 from ssogvit.layers import create_mixer, default_pool, is_ssog

@@ -25,7 +25,7 @@ from timm.layers import ConvNormAct, LayerNorm2d
 from timm.models import FeatureInfo
 from torch import Tensor, nn
 
-from ssogvit.inputs import EMBED_DIM, Int, Ints, checked
+from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
 from ._common import VisionTransformerBase
 

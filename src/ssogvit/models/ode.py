@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from ssogvit.inputs import Flag, Float, Text, check_args
+from ssogvit.specs import Flag, Float, Text, check_args
 
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 
@@ -26,7 +26,7 @@ FIXED_GRID_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4", "explicit_ad
 ADAPTIVE_SOLVERS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 #: norm option -> constructor for the two norms ``N1``, ``N2`` inside the field.
 NORMS = {"layernorm": layer_norm, "centernorm": CenterNorm}
-#: the family's own options, declared (``ssogvit.inputs``); solver and norm names are checked against the lists above
+#: the family's own options, declared (``ssogvit.specs``); solver and norm names are checked against the lists above
 OPTION_SPECS = {"solver": Text(), "norm": Text(), "scale": Float(0, low_open=True, none=True),
                 "rtol": Float(0, low_open=True), "atol": Float(0, low_open=True), "adjoint": Flag()}
 

@@ -26,14 +26,9 @@ from torch import nn
 
 import torch
 
-from ssogvit.inputs import (
-    MAX_PARAMETERS,
-    DocumentError,
-    InputError,
-    check_no_interpolation,
-    format_bytes,
-    read_document,
-)
+from ssogvit.documents import MAX_PARAMETERS, DocumentError, check_no_interpolation, read_document
+from ssogvit.errors import InputError
+from ssogvit.resources import format_bytes
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SIZES, VisionTransformerBase
@@ -206,7 +201,7 @@ def from_pretrained(save_directory: str | Path, **kwargs: Any) -> VisionTransfor
 
     Raises:
         FileNotFoundError: the folder lacks ``config.json`` or ``model.safetensors``.
-        ssogvit.inputs.DocumentError: ``config.json`` is not an ssogvit model's, or asks for too much.
+        ssogvit.documents.DocumentError: ``config.json`` is not an ssogvit model's, or asks for too much.
     """
     folder = Path(save_directory)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():

@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from ssogvit.inputs import InputError, Int, Ints
+from ssogvit.errors import InputError
+from ssogvit.specs import Int, Ints
 from ssogvit.layers import create_mixer
 
 from ._common import BlockStack, VisionTransformerBase

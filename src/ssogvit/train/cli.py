@@ -10,7 +10,9 @@ from typing import Any
 import yaml
 
 from ssogvit.errors import ArgumentParser, report_errors
-from ssogvit.inputs import IMG_SIZE, PATCH_SIZE, Int, check_device, check_memory, read_document
+from ssogvit.documents import read_document
+from ssogvit.resources import check_device, check_memory
+from ssogvit.specs import IMG_SIZE, PATCH_SIZE, Int
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
@@ -217,7 +219,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: {scores}  "
           f"loss {result['loss']:.4f}  ({result['images']} images)")
     if args.json:
-        write_json(args.json, result, overwrite=args.overwrite)
+        write_json(args.json, result, overwrite=args.overwrite, default=str)
     return 0
 
 
@@ -243,7 +245,7 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
     path = Path(ckpt)
     data = None
     for saved in (path.parent.parent / "config.yaml", path.parent / "config.yaml", path.with_suffix(".json")):
-        if saved.is_file():  # a document from disk: bounded, never interpolated (ssogvit.inputs.read_document)
+        if saved.is_file():  # a document from disk: bounded, never interpolated (ssogvit.documents.read_document)
             document = read_document(saved, "the run's config")
             data = document.get("data") if isinstance(document, dict) else None
             if data is not None and not isinstance(data, dict):

@@ -8,7 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ssogvit.inputs import InputError, Spec
+from ssogvit.errors import InputError
+from ssogvit.specs import Spec
 
 from .errors import ConfigError
 from .settings import check_values, register_run_defaults, rules
@@ -171,7 +172,7 @@ def model_config_from(cfg: DictConfig) -> dict[str, Any]:
 
 
 # The run config's values, checked before a launch writes anything (`check_run_config`), by the specs declared with
-# each setting in `ssogvit.train.settings` (the declarations of `ssogvit.inputs`: `data.img_size` is `create_model`'s
+# each setting in `ssogvit.train.settings` (the declarations of `ssogvit.specs`: `data.img_size` is `create_model`'s
 # `img_size` and `eval --img-size`). Lightning, timm and torch refuse most of these too, but only once training has
 # started, and with a traceback. The model's own values (`model.kwargs.*`) are checked by its constructor.
 RUN_CONFIG_RULES: dict[str, Spec] = rules()

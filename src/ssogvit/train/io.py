@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ssogvit.inputs import MAX_PARAMETERS, InputError, check_device, input_file, read_document
-from ssogvit.models import check_model_config as _check_model_config
-from ssogvit.models import create_model
+from ssogvit.documents import MAX_PARAMETERS, input_file, read_document
+from ssogvit.errors import InputError
+from ssogvit.resources import check_device
+from ssogvit.models import check_model_config, create_model
 from ssogvit.outputs import atomic_write
 
 from .errors import CheckpointError, NonFiniteError
@@ -37,7 +38,7 @@ from .errors import CheckpointError, NonFiniteError
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
     "read_model_config", "check_checkpoint",
-    "check_model_config", "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
+    "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS",
 ]
 
@@ -146,7 +147,7 @@ def _config_from_ckpt(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, An
     hp = ckpt.get("hyper_parameters") or {}
     if not isinstance(hp, Mapping) or not isinstance(hp.get("model_config"), Mapping):
         raise CheckpointError(f"{path} has no model_config in its hyper-parameters: not an ssogvit checkpoint")
-    return check_model_config(dict(hp["model_config"]), source=path)
+    return _file_model_config(dict(hp["model_config"]), path)
 
 
 def _export_meta(path: Path) -> tuple[dict[str, Any], Path | None]:
@@ -180,14 +181,14 @@ def _read_export_config(path: Path) -> dict[str, Any]:
         config = meta.get("model_config", meta)
         if not isinstance(config, dict):
             raise CheckpointError(f"{side} holds no model_config object")
-        return check_model_config(config, source=side)
+        return _file_model_config(config, side)
     header = _safetensors_header(path)
     if "model_config" in header:
         try:
             config = json.loads(header["model_config"])
         except ValueError as err:
             raise CheckpointError(f"cannot read the config of {path} ({type(err).__name__}: {err})") from None
-        return check_model_config(config, source=path)
+        return _file_model_config(config, path)
     raise CheckpointError(f"no config for {path}: expected {path.with_suffix('.json')} beside it")
 
 
@@ -201,11 +202,11 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_model_config(config: Any, *, source: str | Path = "the model config") -> dict[str, Any]:
-    """`config` if it names a model of ours within its declared ranges and `MAX_PARAMETERS`; `CheckpointError`
-    otherwise (`ssogvit.models.check_model_config`, the one validator of model configs read from files)."""
+def _file_model_config(config: Any, source: str | Path) -> dict[str, Any]:
+    """`config` of a checkpoint or export checked by `ssogvit.models.check_model_config` (the one validator of model
+    configs read from files); a refusal is the file's `CheckpointError`."""
     try:
-        return _check_model_config(config, source=source)
+        return check_model_config(config, source=source)
     except InputError as err:
         raise CheckpointError(str(err)) from None
 

@@ -122,8 +122,9 @@ def _train_one(args: tuple[MainRun, int | None]) -> tuple[MainRun, dict[str, Any
 
 
 def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    """A comma-separated choice of `allowed` names (`ssogvit.inputs.Choice` each), in the order given, each once."""
-    from ssogvit.inputs import Choice, InputError
+    """A comma-separated choice of `allowed` names (`ssogvit.specs.Choice` each), in the order given, each once."""
+    from ssogvit.errors import InputError
+    from ssogvit.specs import Choice
 
     def refuse(problem: str) -> InputError:
         return InputError(f"--{what} {text!r}: {problem}; expected a comma-separated list from {', '.join(allowed)}",
@@ -143,7 +144,7 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     from ssogvit.errors import report_errors
-    from ssogvit.inputs import SEED, Int, Ints
+    from ssogvit.specs import SEED, Int, Ints
 
     from ssogvit.errors import ArgumentParser
 
@@ -173,10 +174,10 @@ def main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from ssogvit.outputs import FolderLock, check_output_folder
+    from ssogvit.outputs import check_output_folder
 
     from .config import check_run_config, compose
-    from .run_folder import fresh_folder
+    from .run_folder import FolderLock, fresh_folder
 
     plan = load_plan()
     known = {entry["experiment"]: experiment_model(entry["experiment"]) for entry in plan["runs"]}

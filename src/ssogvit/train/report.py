@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ssogvit.errors import report_errors
-from ssogvit.inputs import InputError, Int, input_folder, read_document
+from ssogvit.documents import input_folder, read_document
+from ssogvit.errors import InputError
+from ssogvit.specs import Int
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
 
 if TYPE_CHECKING:

@@ -28,14 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
 from .config import check_run_config, model_config_from
-from ssogvit.outputs import OutputError, RunFolder, check_output_folder
+from ssogvit.outputs import OutputError, check_output_folder
 
 from .errors import ConfigError
 from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
 from .module import ClassificationModule
 from .segmentation import SegmentationModule
 from .resume import EpochEndCheckpoint, check_resumable, save_resumable
-from .run_folder import prune_logs
+from .run_folder import RunFolder, prune_logs
 
 __all__ = ["train", "build_trainer", "build_datamodule", "fit", "resolve_precision", "resolve_resume",
            "format_summary"]

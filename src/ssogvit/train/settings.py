@@ -1,5 +1,5 @@
 """The run config's settings, declared once: one dataclass per section, each field with its default, its check (a
-`Spec` of `ssogvit.inputs`, the same declarations the commands and constructors use) and a line of help.
+`Spec` of `ssogvit.specs`, the same declarations the commands and constructors use) and a line of help.
 
 How the declaration is used (docs/training.md, "The run config"):
 
@@ -25,7 +25,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ssogvit.inputs import (BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, InputError, Int, Spec)
+from ssogvit.errors import InputError
+from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, Int, Spec
 
 __all__ = [
     "RunSettings", "TrainerSettings", "ProgressSettings", "ClusterSettings", "OptimSettings", "SchedSettings",
