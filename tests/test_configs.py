@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from ssogvit.models import create_model
 from ssogvit.train.cli import list_main
 from ssogvit.train.config import (
     IncompleteExperimentError, check_run_config, compose, experiment_meta, experiment_rows, list_experiments,
@@ -118,7 +119,9 @@ def test_overrides_reach_the_model():
     assert mc["radius"] == 2 and mc["scale"] == 6 and mc["name"] == "ode-base-ssog-steered"
     assert "depth" not in mc  # null kwargs are left to the model's defaults
     cfg = compose(["experiment=cifar100_ode_base_steer_mu_sigma"])
-    assert model_config_from(cfg)["steer"] == ("mu", "sigma") and cfg.model.family == "ode"
+    mc = model_config_from(cfg)
+    assert list(mc["steer"]) == ["mu", "sigma"] and cfg.model.family == "ode"
+    assert create_model(**{**mc, "img_size": 32, "patch_size": 8, "depth": 1}).config["steer"] == ("mu", "sigma")
     cfg = compose(["experiment=cifar100_ode_base_steer_mu_gate2", "model.kwargs.gate_init=-5"])
     assert model_config_from(cfg)["gate_init"] == -5
 

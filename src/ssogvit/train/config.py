@@ -161,13 +161,14 @@ def unset_details(cfg: DictConfig) -> list[str]:
 
 
 def model_config_from(cfg: DictConfig) -> dict[str, Any]:
-    """`create_model` arguments of a run config: `{"name": ..., **kwargs}` with the null kwargs left out."""
+    """`create_model` arguments of a run config: `{"name": ..., **kwargs}` with the null kwargs left out (lists as
+    YAML gives them: `create_model` records a `steer` list as a tuple)."""
     kwargs = OmegaConf.to_container(cfg.model.kwargs, resolve=True)
     out: dict[str, Any] = {"name": str(cfg.model.name)}
     for key, value in kwargs.items():
         if value is None:
             continue
-        out[key] = tuple(value) if key == "steer" and isinstance(value, list) else value
+        out[key] = value
     return out
 
 

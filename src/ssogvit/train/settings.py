@@ -138,9 +138,9 @@ class JasminSettings:
     """`loss.jasmin`: the attention regulariser of the ODE-ViT baseline (docs/training.md, "JaSMin")."""
 
     weight: float = setting(0.0, Float(0), "0: off; ODE-ViT trains with 1")
-    kind: str = setting("jasmin", doc="jasmin: ODE-ViT's loss; softmax-jacobian: mean/max of max_k g_k (an alternative)")
+    kind: str = setting("jasmin", doc="jasmin: ODE-ViT's loss; softmax-jacobian: mean/max of max_k g_k")
     k: int = setting(10, doc="jasmin: 0 for Eq. 8 (log g_1), k >= 2 for Eq. 9 (log g_1/g_k); ODE-ViT trains with 10")
-    maps: str = setting("last", doc="last: the last attention map of the forward pass (ODE-ViT); all: mean over every map")
+    maps: str = setting("last", doc="last: the last attention map of the forward (ODE-ViT); all: mean over every map")
     reduce: str = setting("mean", Choice(("mean", "max")),
                           "softmax-jacobian only: mean over rows, heads, maps, images; max: worst row per image")
 
