@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,20 @@ def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp
     assert results[True]["rescale_field"] and not results[False]["rescale_field"]
     assert results[True]["img_size"] == results[False]["img_size"] == 32
     assert results[True]["loss"] != results[False]["loss"]  # the field was rescaled (grid 4x4 -> 8x8)
+
+
+def test_overwrite_never_replaces_a_node_that_is_not_a_regular_file(tiny_run, tmp_path):
+    """`eval --json X --overwrite` and `export --out X --overwrite` with X a FIFO or a link: one line, exit 2, the
+    node left as it was (a device at X would be replaced by a file otherwise)."""
+    fifo, link = tmp_path / "fifo", tmp_path / "link.onnx"
+    os.mkfifo(fifo)
+    link.symlink_to(tmp_path / "elsewhere.onnx")
+    ckpt = str(tiny_run / "checkpoints" / "best.ckpt")
+    assert_user_error(ssogvit("eval", "--ckpt", ckpt, "--json", str(fifo), "--overwrite"),
+                      f"ssogvit eval: --json: {fifo} is a FIFO (named pipe), not a regular file")
+    assert_user_error(ssogvit("export", "--ckpt", ckpt, "--format", "onnx", "--out", str(link), "--overwrite"),
+                      f"ssogvit export: --out: {link} is a symbolic link, not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and not (tmp_path / "elsewhere.onnx").exists()
 
 
 # -- data mistakes ------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from ssogvit.outputs import (
     OutputExistsError,
     atomic_write,
     check_output_file,
+    check_replaceable,
     check_output_folder,
     is_temp_name,
     remove_stale_temp_files,
@@ -217,3 +218,45 @@ def test_every_file_the_package_writes_goes_through_the_one_writer():
                 continue
             unexplained.append(f"{rel}:{line}: {name}({target})")
     assert not unexplained, "write through ssogvit.outputs.atomic_write or staged_outputs:\n" + "\n".join(unexplained)
+
+
+def _special_nodes(tmp_path: Path) -> dict[str, Path]:
+    """A FIFO, a symbolic link to a file, a folder and (where this user may make one) a character device like
+    /dev/null's: nodes that are not regular files."""
+    nodes = {"FIFO": tmp_path / "fifo", "symbolic link": tmp_path / "link", "folder": tmp_path / "dir"}
+    os.mkfifo(nodes["FIFO"])
+    (tmp_path / "target.json").write_text("kept")
+    nodes["symbolic link"].symlink_to(tmp_path / "target.json")
+    nodes["folder"].mkdir()
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        nodes["character device"] = tmp_path / "null"
+    except PermissionError:
+        pass
+    return nodes
+
+
+def test_the_writer_replaces_only_regular_files_whatever_overwrite_says(tmp_path):
+    nodes = _special_nodes(tmp_path)
+    for kind, node in nodes.items():
+        before = os.lstat(node)
+        for call in (lambda: write_text(node, "x", overwrite=True), lambda: check_output_file(node, "--out",
+                                                                                              overwrite=True),
+                     lambda: check_replaceable(node, "--json")):
+            with pytest.raises(OutputError) as info:
+                call()
+            message = str(info.value)
+            assert "not a regular file" in message or "is a folder" in message, (kind, message)
+            assert "\n" not in message
+        after = os.lstat(node)
+        assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev), kind
+    assert (tmp_path / "target.json").read_text() == "kept"
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    os.mkfifo(staged / "a.json")
+    with pytest.raises(OutputError, match="a.json is a FIFO"):
+        with staged_outputs(staged, overwrite=True) as stage:
+            (stage / "a.json").write_text("{}")
+    assert stat.S_ISFIFO(os.lstat(staged / "a.json").st_mode)
+    check_replaceable(tmp_path / "target.json")  # a regular file may be replaced
+    check_replaceable(tmp_path / "absent")

@@ -5,7 +5,9 @@ Files:
 
 - `check_output_file` / `check_output_folder` check an output before any work: the folder exists (a file's) or can
   be created (a folder's), is a folder and is writable; a file that exists is replaced only when the user asked
-  (`--overwrite`, the one spelling of every command); an output may not be one of the command's inputs.
+  (`--overwrite`, the one spelling of every command); an output may not be one of the command's inputs. What is
+  replaced is only ever a regular file: a folder, a link, a device, a FIFO or a socket at an output's path is refused
+  with or without `--overwrite` (`check_replaceable`, asked by every check and again just before each rename).
 - `atomic_write(path, write)` is the one writer: `write(tmp)` fills a temporary file in the same folder, which is
   flushed to disk, given the mode the umask asks for, then renamed to `path` (and the folder flushed): a kill leaves
   the old file or nothing under `path`. Without `overwrite` the rename never replaces a file that appeared meanwhile.
@@ -29,6 +31,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
@@ -38,7 +41,8 @@ from ssogvit.errors import InputError
 
 __all__ = [
     "OutputError", "OutputExistsError", "OVERWRITE_FLAG", "TEMP_TAG", "HOST",
-    "check_output_file", "check_output_folder", "atomic_write", "write_text", "write_bytes", "write_json",
+    "check_output_file", "check_output_folder", "check_replaceable", "atomic_write", "write_text", "write_bytes",
+    "write_json",
     "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files",
 ]
 
@@ -55,6 +59,25 @@ class OutputExistsError(OutputError, FileExistsError):
 
 
 # -- checks before any work -----------------------------------------------------------------------------------------
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_replaceable(path: str | os.PathLike, argument: str | None = None) -> None:
+    """Nothing, if nothing is at `path` or a regular file is (what a writer may replace); `OutputError` naming the
+    kind of node otherwise, whatever `overwrite` says: ssogvit replaces only regular files, never a folder, a link, a
+    device, a FIFO or a socket (a copy of `/dev/full` replaced by a file would be a device lost)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (the folder's own checks name a bad folder)
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    where = f"{argument}: " if argument and argument != str(path) else ""
+    raise OutputError(f"{where}{path} is {kind}, not a regular file; ssogvit replaces only regular files (with or "
+                      f"without {OVERWRITE_FLAG}): choose another path", argument=argument or str(path))
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -101,6 +124,7 @@ def check_output_file(path: str | os.PathLike, argument: str = "--out", *, overw
     p = Path(path).expanduser()
     if p.is_dir():
         raise OutputError(f"{argument}: {p} is a folder; give the name of a file", argument=argument)
+    check_replaceable(p, argument)
     parent = p.parent
     if not parent.exists():
         raise OutputError(f"{argument}: the folder {parent} does not exist", argument=argument)
@@ -189,7 +213,9 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def _publish(tmp: Path, path: Path, *, overwrite: bool) -> None:
-    """Rename `tmp` to `path` atomically; without `overwrite`, never over a file that exists."""
+    """Rename `tmp` to `path` atomically; without `overwrite`, never over a file that exists; never over anything but
+    a regular file (`check_replaceable`, asked again here: the node may have appeared since the command's checks)."""
+    check_replaceable(path)
     if overwrite:
         os.replace(tmp, path)
         return
@@ -218,6 +244,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, overw
         overwrite: replace an existing `path` (otherwise `OutputExistsError`, and nothing is written).
     """
     path = Path(path)
+    check_replaceable(path)
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{path} exists; pass {OVERWRITE_FLAG} to replace it", argument=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +304,8 @@ def staged_outputs(folder: str | os.PathLike, argument: str = "--out", *, overwr
         yield stage
         files = sorted(p for p in stage.rglob("*") if p.is_file())
         targets = [out / p.relative_to(stage) for p in files]
+        for t in targets:
+            check_replaceable(t, argument)
         existing = [str(t) for t in targets if t.exists()]
         if existing and not overwrite:
             shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
