@@ -40,6 +40,7 @@ from ssogvit.layers import create_mixer, default_pool, is_ssog
 from ssogvit.outputs import staged_outputs
 
 from . import transfer
+from .sealed import seal_file
 
 __all__ = ["GLOBAL_POOLS", "SIZES", "Block", "BlockStack", "CenterNorm", "VisionTransformerBase", "layer_norm"]
 
@@ -430,7 +431,9 @@ class VisionTransformerBase(TimmVisionTransformer):
 
     def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = False) -> Path:
         """Write the model in the Hugging Face hub layout (timm's ``save_for_hf``): ``config.json`` (architecture,
-        ``model_args`` = this model's config, pretrained config) and ``model.safetensors``.
+        ``model_args`` = this model's config, pretrained config) and ``model.safetensors``, sealed: its header holds
+        the config and one digest covers it and the weights (``ssogvit.models.sealed``); ``config.json`` is checked
+        against it on every load.
 
         Load it back with ``ssogvit.models.from_pretrained(save_directory)`` or
         ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)``.
@@ -445,6 +448,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         model_args = {k: v for k, v in self.config.items() if k != "name"}
         with staged_outputs(folder, "save_directory", overwrite=overwrite) as stage:  # both files, or neither
             save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
+            seal_file(stage / "model.safetensors", self.config)
         return folder
 
     # -- forward ---------------------------------------------------------------------------------------------------

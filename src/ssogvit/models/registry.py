@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from ._common import SIZES, VisionTransformerBase
 from .dense import PyramidFeatures, SegmentationModel
 from .looped import LoopedViT
 from .ode import ODEViT
+from .sealed import file_config, header_config, verify
 from .vit import VisionTransformer
 
 __all__ = [
@@ -231,15 +231,21 @@ def _check_saved_folder(folder: Path, name: str) -> None:
     if weights.is_file() and weights.stat().st_size > 8 * n + (1 << 24):  # fp64 at most, and a 16 MB header
         raise DocumentError(f"{weights}: {format_bytes(weights.stat().st_size)}, more than the weights of the model "
                             f"its config.json describes ({n:,} parameters) could be", argument=str(weights))
+    if weights.is_file():  # the sealed config is the one that holds: config.json must state the same model
+        _sealed_config(weights, (document, folder / "config.json"))
 
 
-def _saved_config(file: str) -> dict[str, Any] | None:
-    """The model config in the header of an ``ssogvit`` safetensors export, if the file is one."""
-    if not str(file).endswith(".safetensors"):
-        return None
+def _sealed_config(file: str | Path, side: tuple[Any, Path] | None = None) -> dict[str, Any] | None:
+    """The model config sealed in a safetensors file's header (`ssogvit.models.sealed`), its digest and the
+    readable copy `side` checked; None for a file that holds no config of ours (with `side`, the copy's)."""
+    from safetensors.torch import load_file
+
     with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata() or {}
-    return json.loads(meta["model_config"]) if "model_config" in meta else None
+        header = dict(f.metadata() or {})
+    if header_config(header, file) is None and side is None:
+        return None
+    verify(load_file(str(file)), header, file)
+    return file_config(file, header, side, {timm_name(n): n for n in list_models()})
 
 
 def _timm_entrypoint(name: str):
@@ -258,7 +264,7 @@ def _timm_entrypoint(name: str):
                 )
             if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
                 _check_saved_folder(Path(cfg.file), name)
-            saved = _saved_config(cfg.file) if cfg.file else None
+            saved = _sealed_config(cfg.file) if cfg.file and str(cfg.file).endswith(".safetensors") else None
             if saved is not None:  # an ssogvit export: the weights say how the model was built
                 if saved.get("name") != name:
                     raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")

@@ -4,22 +4,24 @@ Two formats hold a trained model:
 
 - a Lightning checkpoint `*.ckpt` (`<output_dir>/checkpoints/{last,best,epoch=...}.ckpt`): weights, optimizer,
   scheduler and loop state; its hyper-parameters hold the model's config dict;
-- an export `*.safetensors` (`<output_dir>/export/model.safetensors`, and `model_ema.safetensors` with EMA) with the
-  config beside it as JSON (`model.json`) and also in the safetensors header.
+- an export `*.safetensors` (`<output_dir>/export/model.safetensors`, and `model_ema.safetensors` with EMA), sealed:
+  the config in its header, which is the one that holds, and a readable copy beside it (`model.json`), checked
+  against the header and refused if it differs (`ssogvit.models.sealed`).
 
 Both are read without executing code from the file: checkpoints with `torch.load(weights_only=True)`, exports with
-`safetensors`. Both carry a SHA-256 digest of their contents (`content_digest`), written with them and checked on
-every load (and so before every resume): a file that fails it is refused, naming the file, and never loaded. The
+`safetensors`. Both carry a SHA-256 digest of all their contents (`content_digest`: a checkpoint's whole dict, an
+export's tensors and header), written with them and checked on every load (and so before every resume): a file that
+fails it is refused, naming the file, and never loaded; a file without one loads with an `UnverifiedFileWarning`. The
 model is rebuilt from the config, checked first (`ssogvit.models.check_model_config`), with
 `ssogvit.models.create_model`; weights that are not finite are refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ from torch import Tensor, nn
 from ssogvit.documents import MAX_PARAMETERS, input_file, read_document
 from ssogvit.errors import InputError
 from ssogvit.resources import check_device
-from ssogvit.models import check_model_config, create_model
+from ssogvit.models import check_model_config, create_model, list_models, timm_name
+from ssogvit.models.sealed import (DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest, file_config,
+                                   seal, verify)
 from ssogvit.outputs import atomic_write
 
 from .errors import CheckpointError, NonFiniteError
@@ -42,37 +46,11 @@ __all__ = [
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS",
 ]
 
-#: where a checkpoint (and an export's header) keeps the digest of the rest of its contents
-DIGEST_KEY = "ssogvit_digest"
-
-
-def content_digest(obj: Any) -> str:
-    """SHA-256 of a checkpoint's contents: every tensor's dtype, shape and bytes, and every plain value, walked in a
-    fixed order (dict keys sorted), so the digest of what was saved equals that of what a load gives back."""
-    h = hashlib.sha256()
-    stack = [obj]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, Tensor):
-            t = node.detach().cpu().contiguous().reshape(-1)
-            h.update(f"T{t.dtype}{tuple(node.shape)}|".encode())
-            h.update(memoryview(t.view(torch.uint8).numpy()))
-        elif isinstance(node, Mapping):
-            keys = sorted(node, key=lambda k: (type(k).__name__, repr(k)))
-            h.update(f"D{len(keys)}|".encode())
-            for key in reversed(keys):  # popped in sorted order
-                stack += [node[key], key]
-        elif isinstance(node, (list, tuple)):
-            h.update(f"{'L' if isinstance(node, list) else 'U'}{len(node)}|".encode())
-            stack += reversed(node)
-        else:
-            h.update(f"{type(node).__name__}:{node!r}|".encode())
-    return h.hexdigest()
-
-
 def _check_digest(contents: Mapping[str, Any], recorded: Any, path: Path) -> None:
-    if recorded is None:
-        return  # written before digests (or not by ssogvit's writers): nothing to compare
+    if recorded is None:  # written before digests, or not by ssogvit's writers: nothing to compare
+        warnings.warn(UnverifiedFileWarning(f"{path} carries no ssogvit digest: its contents are loaded unverified"),
+                      stacklevel=3)
+        return
     body = {k: v for k, v in contents.items() if k != DIGEST_KEY}
     if recorded != content_digest(body):
         raise CheckpointError(f"{path} fails its integrity check (the SHA-256 digest written with it does not match "
@@ -175,21 +153,17 @@ def _safetensors_header(path: Path) -> dict[str, str]:
                               "truncated or corrupt") from None
 
 
-def _read_export_config(path: Path) -> dict[str, Any]:
+def _read_export_config(path: Path, header: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The model config of a `.safetensors` file: the one sealed in its header, checked against the readable copy
+    beside it (`ssogvit.models.sealed.file_config`; the copy alone only for a file whose header holds none)."""
     meta, side = _export_meta(path)
-    if side is not None:
-        config = meta.get("model_config", meta)
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{side} holds no model_config object")
-        return _file_model_config(config, side)
-    header = _safetensors_header(path)
-    if "model_config" in header:
-        try:
-            config = json.loads(header["model_config"])
-        except ValueError as err:
-            raise CheckpointError(f"cannot read the config of {path} ({type(err).__name__}: {err})") from None
-        return _file_model_config(config, path)
-    raise CheckpointError(f"no config for {path}: expected {path.with_suffix('.json')} beside it")
+    header = _safetensors_header(path) if header is None else header
+    try:
+        config = file_config(path, header, None if side is None else (meta, side),
+                             {timm_name(n): n for n in list_models()})
+    except WeightsFileError as err:
+        raise CheckpointError(str(err)) from None
+    return _file_model_config(config, path)
 
 
 def build_model(model_config: Mapping[str, Any]) -> nn.Module:
@@ -244,15 +218,18 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
         where = (f"its EMA weights are in {ema}" if ema.is_file()
                  else "no EMA export is beside it (trained without EMA?)")
         raise CheckpointError(f"use_ema=True: {path} holds the raw weights of a run, not its EMA weights; {where}")
-    config = _read_export_config(path)
     header = _safetensors_header(path)
+    config = _read_export_config(path, header)
     from safetensors.torch import load_file
 
     try:
         state = load_file(str(path), device=str(map_location))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
         raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    _check_digest(state, header.get(DIGEST_KEY), path)
+    try:
+        verify(state, header, path)
+    except WeightsFileError as err:
+        raise CheckpointError(f"{err}{_others(path)}") from None
     return state, config
 
 
@@ -323,8 +300,9 @@ def atomic_checkpoint_io():
 
 def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str, Any] | None = None,
                        overwrite: bool = True) -> Path:
-    """Write `model`'s weights to `path` (`.safetensors`, with the digest of its tensors in the header) and its
-    config to the `.json` beside it, atomically.
+    """Write `model`'s weights to `path` (`.safetensors`, sealed: its config in the header and one digest of the
+    tensors and the header, `ssogvit.models.sealed`) and a readable copy of the config to the `.json` beside it,
+    atomically.
 
     Args:
         extra: more JSON-able facts to store beside the config (metrics, data normalisation, classes...).
@@ -339,7 +317,7 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
     if bad:
         raise NonFiniteError(f"refusing to export {path}: {len(bad)} tensors hold non-finite values ({bad[0]}, ...)")
     meta = {"model_config": config, **dict(extra or {})}
-    header = {"model_config": json.dumps(config), DIGEST_KEY: content_digest(state)}
+    header = seal(state, config)  # the header's config is the one that holds; model.json is a readable copy
     atomic_write(path, lambda tmp: save_file(state, tmp, metadata=header), overwrite=overwrite)
     atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2, default=str)),
                  overwrite=overwrite)

@@ -1,0 +1,104 @@
+"""One source of truth per weights file (`ssogvit.models.sealed`, docs/models.md "Saved and exported weights"): the
+header's config is the one that holds, one digest covers the tensors and the whole header, the readable copy beside
+it is checked and never preferred, and a file without a digest is named as unverified."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import timm
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ssogvit.models import create_model, from_pretrained
+from ssogvit.models.sealed import DIGEST_KEY, UnverifiedFileWarning, WeightsFileError
+from ssogvit.train.errors import CheckpointError
+from ssogvit.train.io import export_safetensors, load_model
+
+TINY = dict(img_size=16, patch_size=4, num_classes=3, depth=1)
+
+
+def _header(path):
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata())
+
+
+def _rewrite(path, header):
+    save_file(load_file(str(path)), str(path), metadata=header)
+
+
+@pytest.fixture
+def exported(tmp_path):
+    model = create_model("looped-tiny-ssog", **TINY).eval()
+    return model, export_safetensors(model, tmp_path / "model.safetensors")
+
+
+def test_an_export_loads_the_model_it_sealed_and_refuses_an_edited_copy_beside_it(exported):
+    model, path = exported
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a sealed file loads without a word
+        assert torch.equal(load_model(path)(x), model(x))
+    for key, value in (("depth", 4), ("global_pool", "token"), ("num_atoms", 2)):
+        side = path.with_suffix(".json")
+        original = side.read_text()
+        meta = json.loads(original)
+        meta["model_config"][key] = value
+        side.write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match=rf"model.json does not match the config sealed in .*\({key}: "):
+            load_model(path)
+        side.write_text(original)
+    path.with_suffix(".json").unlink()  # the header alone is enough
+    assert torch.equal(load_model(path)(x), model(x))
+
+
+def test_the_digest_covers_the_header_and_a_file_without_one_is_named_unverified(exported):
+    model, path = exported
+    header = _header(path)
+    config = json.loads(header["model_config"])
+    _rewrite(path, {**header, "model_config": json.dumps({**config, "depth": 4}, sort_keys=True)})
+    path.with_suffix(".json").unlink()
+    with pytest.raises(CheckpointError, match="fails its integrity check"):
+        load_model(path)
+    _rewrite(path, {k: v for k, v in header.items() if k != DIGEST_KEY})
+    with pytest.warns(UnverifiedFileWarning, match="carries no ssogvit digest"):
+        load_model(path)
+
+
+def test_a_saved_folder_is_sealed_and_its_config_json_is_checked_against_the_weights(tmp_path):
+    model = create_model("vit-tiny-ssog-steered", **TINY).eval()
+    folder = model.save_pretrained(tmp_path / "saved")
+    x = torch.randn(2, 3, 16, 16)
+    assert DIGEST_KEY in _header(folder / "model.safetensors")
+    for loaded in (from_pretrained(folder), timm.create_model(f"local-dir:{folder}", pretrained=True),
+                   load_model(folder / "model.safetensors")):
+        assert torch.equal(loaded.eval()(x), model(x))
+    config = json.loads((folder / "config.json").read_text())
+    config["model_args"]["depth"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsFileError, match=r"config.json does not match the config sealed in .*\(depth: 3"):
+        from_pretrained(folder)
+    with pytest.raises(WeightsFileError, match="does not match the config sealed"):
+        timm.create_model(f"local-dir:{folder}", pretrained=True)
+    with pytest.raises(CheckpointError, match="does not match the config sealed"):
+        load_model(folder / "model.safetensors")
+
+
+def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path):
+    _, path = exported
+    side = path.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    meta["model_config"]["depth"] = 4
+    side.write_text(json.dumps(meta))
+    res = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(path), "--format", "torchscript",
+                          "--out", str(tmp_path / "m.pt")], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "model.json does not match the config sealed in" in res.stderr
+    assert not (tmp_path / "m.pt").exists()
