@@ -7,7 +7,9 @@ The file takes any batch size and, where the format allows, any image size the p
 traced image size (the TorchScript-based ONNX exporter has no translation of the position embedding's antialiased
 bicubic resize, and a traced TorchScript graph holds SSoG's grid as constants), and say so: onnxruntime refuses
 another size by the file's declared input shape, the TorchScript file by a check of its own. ``--static`` exports
-without dynamic dimensions (an ONNX file or exported program then refuses any other shape).
+without dynamic dimensions (an ONNX file or exported program then refuses any other shape). Every file refuses
+what the eager model refuses (a batch of 0, another channel count, a side the patch does not divide) by a check
+inside it (``_Contract``), and the command proves it on the file (``refused_shapes``) before writing it.
 
 The file is written under a temporary name beside ``--out`` and run again (ONNX in onnxruntime) on a random batch of
 the traced shape and on one of another batch size and, where it is dynamic, another resolution, and compared with the
@@ -131,7 +133,8 @@ def export_model(
     """Write ``model`` (in eval mode) traced on ``example`` to ``path``.
 
     Args:
-        model: the model (a ViT with ``patch_embed``); put in eval mode.
+        model: the model (ours, of any family or task, or a timm ViT with ``patch_embed``); put in eval mode. The
+            file holds it behind a check of its input contract (``_Contract``).
         example: an input batch ``(B, C, H, W)``; with ``dynamic``, ``B >= 2`` and a grid of at least 2 x 2 (an
             exporter fixes a dimension traced at size 1).
         path: file to write.
@@ -157,17 +160,18 @@ def export_model(
     size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about constants: the sizes they fix are the ones above
+        checked = _Contract(model, (h, w) if format == "torchscript" else None)
         if format == "onnx" and dynamo:
-            torch.onnx.export(_Contract(model), (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
+            torch.onnx.export(checked, (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_shapes=({**batch, **size},), external_data=False)
         elif format == "onnx":
             axes = {"images": {0: "batch"}, "logits": {0: "batch"}} if batch else None
-            torch.onnx.export(_Contract(model), (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
+            torch.onnx.export(checked, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
-            torch.jit.save(torch.jit.trace(_Contract(model, (h, w)), (example,), check_trace=False), str(path))
+            torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
         else:
-            program = torch.export.export(_Contract(model), (example,), dynamic_shapes=({**batch, **size},))
+            program = torch.export.export(checked, (example,), dynamic_shapes=({**batch, **size},))
             _refuse_empty_batch(program)
             torch.export.save(program, str(path))
     return path
