@@ -7,7 +7,9 @@ The file takes any batch size and, where the format allows, any image size the p
 traced image size (the TorchScript-based ONNX exporter has no translation of the position embedding's antialiased
 bicubic resize, and a traced TorchScript graph holds SSoG's grid as constants), and say so: onnxruntime refuses
 another size by the file's declared input shape, the TorchScript file by a check of its own. ``--static`` exports
-without dynamic dimensions (an ONNX file or exported program then refuses any other shape).
+without dynamic dimensions (an ONNX file or exported program then refuses any other shape). Every file refuses
+what the eager model refuses (a batch of 0, another channel count, a side the patch does not divide) by a check
+inside it (``_Contract``), and the command proves it on the file (``refused_shapes``) before writing it.
 
 The file is written under a temporary name beside ``--out`` and run again (ONNX in onnxruntime) on a random batch of
 the traced shape and on one of another batch size and, where it is dynamic, another resolution, and compared with the
@@ -36,7 +38,8 @@ from ssogvit.resources import check_memory
 from ssogvit.specs import IMG_SIZE, Float, Int
 from ssogvit.outputs import OVERWRITE_FLAG, OutputError, atomic_write, check_output_file
 
-__all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "second_shape", "main"]
+__all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "refusal", "refused_shapes",
+           "second_shape", "main"]
 
 #: format -> file suffix
 FORMATS = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
@@ -59,15 +62,26 @@ def dynamic_dims(format: str, dynamo: bool = True) -> tuple[str, ...]:
 
 
 def _patch_size(model: nn.Module) -> int:
-    patch = model.patch_embed.patch_size
+    """The model's patch size: ``patch_size`` (ours, a segmentation model's backbone's) or timm's ``patch_embed``."""
+    patch = getattr(model, "patch_size", None) or model.patch_embed.patch_size
     return int(patch[0] if isinstance(patch, tuple | list) else patch)
 
 
-@functools.cache
-def _size_check():
-    """A scripted check that a traced TorchScript graph keeps (a traced Python check would vanish from the graph)."""
+def _in_chans(model: nn.Module) -> int:
+    """The image channels the model takes."""
+    chans = getattr(model, "in_chans", None)
+    return int(chans if chans is not None else model.patch_embed.proj.in_channels)
 
-    def check_image_size(images: Tensor, height: int, width: int) -> Tensor:
+
+@functools.cache
+def _contract_check():
+    """A scripted check that a traced TorchScript graph keeps (a traced Python check would vanish from the graph):
+    the channels, a batch of 1 or more and the image size the graph was traced at."""
+
+    def check_images(images: Tensor, channels: int, height: int, width: int) -> Tensor:
+        if images.dim() != 4 or images.size(0) == 0 or images.size(1) != channels:
+            raise ValueError("this TorchScript file takes images (B >= 1, {}, {}, {}), got {}".format(
+                channels, height, width, images.shape))
         if images.size(2) != height or images.size(3) != width:
             raise ValueError(
                 "this TorchScript file computes on {}x{} images only, got {}x{} (export to exported-program or "
@@ -75,18 +89,44 @@ def _size_check():
             )
         return images
 
-    return torch.jit.script(check_image_size)
+    return torch.jit.script(check_images)
 
 
-class _FixedSize(nn.Module):
-    """The model behind a check of the image size it was traced at (TorchScript)."""
+class _Contract(nn.Module):
+    """The model behind its input contract, checked inside the exported graph (docs/models.md, Deployment).
 
-    def __init__(self, model: nn.Module, size: tuple[int, int]) -> None:
+    The eager model refuses a batch of 0, another channel count and a side the patch does not divide. An exported
+    graph keeps none of that by itself: the dynamo ONNX exporter drops ``torch._check``-style asserts, and onnxruntime
+    then crops an 18x16 image to 16x16 at patch 4 and dies of SIGFPE on a batch of 0. So the graph counts the
+    violations from the input's shape as a tensor (which no exporter folds away) and indexes a one-element zero
+    tensor with that count before the model sees the images: index 0 adds nothing, any other is out of bounds and
+    the runtime raises (onnxruntime: ``indices element out of data bounds``) before any node of the model runs.
+    TorchScript (``size``: the traced image size) also runs a scripted check with a message of its own.
+    """
+
+    def __init__(self, model: nn.Module, size: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.model, self.size = model, size
+        self.channels, self.patch = _in_chans(model), _patch_size(model)
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.model(_size_check()(images, self.size[0], self.size[1]))
+        if self.size is not None:
+            images = _contract_check()(images, self.channels, self.size[0], self.size[1])
+        shape = torch.stack([torch.scalar_tensor(d, dtype=torch.long) for d in images.shape])
+        violations = (shape[0] == 0).long() + (shape[1] != self.channels).long() + (shape[2:] % self.patch != 0).sum()
+        return self.model(images + images.new_zeros(1)[violations])
+
+
+def _refuse_empty_batch(program: torch.export.ExportedProgram) -> None:
+    """Make an exported program's first input check a batch of 1 or more.
+
+    Its guards (checked before the graph runs) come from the model's shape arithmetic, in the order it met them;
+    some divide by the batch, so a batch of 0 ended in ``ZeroDivisionError: integer modulo by zero`` before the
+    graph's own check could refuse it. A guard put first refuses it as ``Guard failed: images.size()[0] >= 1``.
+    """
+    guards = getattr(program, "_guards_code", None)
+    if isinstance(guards, list):
+        program._guards_code = ["L['images'].size()[0] >= 1", *guards]
 
 
 def export_model(
@@ -95,7 +135,8 @@ def export_model(
     """Write ``model`` (in eval mode) traced on ``example`` to ``path``.
 
     Args:
-        model: the model (a ViT with ``patch_embed``); put in eval mode.
+        model: the model (ours, of any family or task, or a timm ViT with ``patch_embed``); put in eval mode. The
+            file holds it behind a check of its input contract (``_Contract``).
         example: an input batch ``(B, C, H, W)``; with ``dynamic``, ``B >= 2`` and a grid of at least 2 x 2 (an
             exporter fixes a dimension traced at size 1).
         path: file to write.
@@ -121,17 +162,19 @@ def export_model(
     size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about constants: the sizes they fix are the ones above
+        checked = _Contract(model, (h, w) if format == "torchscript" else None)
         if format == "onnx" and dynamo:
-            torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
+            torch.onnx.export(checked, (example,), str(path), dynamo=True, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_shapes=({**batch, **size},), external_data=False)
         elif format == "onnx":
             axes = {"images": {0: "batch"}, "logits": {0: "batch"}} if batch else None
-            torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
+            torch.onnx.export(checked, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
-            torch.jit.save(torch.jit.trace(_FixedSize(model, (h, w)), (example,), check_trace=False), str(path))
+            torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
         else:
-            program = torch.export.export(model, (example,), dynamic_shapes=({**batch, **size},))
+            program = torch.export.export(checked, (example,), dynamic_shapes=({**batch, **size},))
+            _refuse_empty_batch(program)
             torch.export.save(program, str(path))
     return path
 
@@ -141,7 +184,9 @@ def load_exported(path: str | Path, *, format: str):
     if format == "onnx":
         import onnxruntime
 
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 4  # a refused input raises; no second copy of its message on stderr
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         return lambda x: torch.from_numpy(session.run(None, {name: x.detach().cpu().numpy()})[0])
     if format == "torchscript":
@@ -168,6 +213,42 @@ def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> t
         return None
     batch = (1 if b != 1 else 3) if "batch" in dims else b
     return (batch, c, h + patch, w + 2 * patch) if "size" in dims else (batch, c, h, w)
+
+
+def refused_shapes(shape: tuple[int, ...], patch: int) -> list[tuple[int, ...]]:
+    """Input shapes near ``shape`` that the eager model refuses, so every exported file must refuse them too: a batch
+    of 0, one channel more and (patch > 1) a height the patch does not divide (18x16 from 16x16 at patch 4)."""
+    b, c, h, w = shape
+    return [(0, c, h, w), (b, c + 1, h, w)] + ([(b, c, h + max(1, patch // 2), w)] if patch > 1 else [])
+
+
+@torch.no_grad()
+def refusal(model: nn.Module, path: str | Path, x: Tensor, *, format: str) -> str | None:
+    """Why the exported file refused ``x`` (its error's type and first line), or ``None`` where it took it.
+
+    Raises:
+        ValueError: the eager model takes ``x``: there is nothing the file must refuse.
+    """
+    model.eval()
+    try:
+        model(x)
+    except Exception:
+        pass
+    else:
+        raise ValueError(f"the eager model takes a batch of shape {tuple(x.shape)}; the file need not refuse it")
+    try:
+        load_exported(path, format=format)(x)
+    except Exception as err:
+        return f"{type(err).__name__}: {_first_line(err)}"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    """The line of an error that says what went wrong (a TorchScript error's is its last: the raised error)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[-1] if "TorchScript interpreter" in lines[0] else lines[0]
 
 
 def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo: bool) -> str:
@@ -238,7 +319,7 @@ def _export(args: argparse.Namespace) -> int:
         except Exception as err:  # the exporter's own refusal; the model is fine in eager
             if debug_enabled() or isinstance(err, OutputError):
                 raise
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = _first_line(err)
             raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug "
                              "shows the traceback") from None
         print(f"exported {args.format}: it takes {_describe(dims, shape, args.format, dynamo)}")
@@ -247,7 +328,7 @@ def _export(args: argparse.Namespace) -> int:
             try:
                 measured.append(parity(model, tmp, x, format=args.format))
             except Exception as err:  # the file refused an input it claims to take
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first = _first_line(err)
                 raise UsageError(f"the exported file failed on a batch of shape {check} ({first}), so {out} was not "
                                  "written") from None
             print(f"parity on a random batch {check}: max abs difference {measured[-1]:.3e} (tolerance "
@@ -255,6 +336,13 @@ def _export(args: argparse.Namespace) -> int:
             if not measured[-1] <= args.tolerance:
                 raise UsageError(f"parity {measured[-1]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
                                  f"exported file does not compute what the model computes, so {out} was not written")
+        for i, bad in enumerate(refused_shapes(shape, patch)):  # what the eager model refuses, the file must refuse
+            why = refusal(model, tmp, torch.randn(bad, generator=torch.Generator().manual_seed(100 + i)),
+                          format=args.format)
+            if why is None:
+                raise UsageError(f"the exported file took a batch of shape {bad}, which the model refuses, so {out} "
+                                 "was not written")
+            print(f"refused a batch of shape {bad}, as the model does ({why[:100]})")
 
     atomic_write(out, write_checked, overwrite=args.overwrite)
     print(f"wrote {out} ({args.format})")

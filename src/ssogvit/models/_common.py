@@ -468,6 +468,8 @@ class VisionTransformerBase(TimmVisionTransformer):
         which every block application takes as an argument."""
         if x.ndim != 4:
             raise ValueError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}")
+        if x.shape[0] == 0:  # refused, as every exported file refuses it (docs/models.md, Deployment)
+            raise ValueError(f"an empty batch {tuple(x.shape)}: a model takes 1 image or more")
         h, w = x.shape[-2:]
         p = self.patch_size
         if h % p or w % p:

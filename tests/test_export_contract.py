@@ -1,0 +1,174 @@
+"""Exported files keep the eager model's input contract, and segmentation models export like any other (issue 32).
+
+Every format (TorchScript, ``torch.export``, ONNX through both exporters) refuses what the eager model refuses: a batch
+of 0, another channel count, a side the patch does not divide (an 18x16 image at patch 4 once came out of the dynamo
+ONNX file cropped to 16x16, and a batch of 0 killed onnxruntime's process with SIGFPE: ONNX files are therefore run in
+a child process). Through ``export_model`` + ``load_exported`` for every family, the window and linear mixers and a
+segmentation model, and through ``python -m ssogvit export`` in a subprocess (docs/models.md, Deployment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ssogvit.export
+from ssogvit.export import FORMATS, dynamic_dims, export_model, load_exported, parity, refusal, refused_shapes
+from ssogvit.models import create_model
+from ssogvit.train.io import export_safetensors
+
+TINY = dict(img_size=16, patch_size=4, depth=1, num_classes=5, embed_dim=16, num_heads=2)
+SEGMENTATION = dict(task="segmentation", pyramid_dim=8, head_dim=8)
+SHAPE = (2, 3, 16, 16)
+#: what the eager model refuses near SHAPE: a batch of 0, 4 channels, 18x16 and 16x17 at patch 4
+REFUSED = [(0, 3, 16, 16), (2, 4, 16, 16), (2, 3, 18, 16), (2, 3, 16, 17)]
+#: (format, dynamo) -> test id
+FORMAT_IDS = {("exported-program", True): "export", ("onnx", True): "onnx-dynamo", ("onnx", False): "onnx-torchscript",
+              ("torchscript", False): "torchscript"}
+#: (family, mixer, task); the window and linear mixers in the vit family (nothing family-specific in them)
+MODELS = [("vit", "ssog", None), ("looped", "ssog", None), ("ode", "ssog", None), ("vit", "window", None),
+          ("vit", "linear", None), ("vit", "ssog", "segmentation")]
+
+
+def _model(family: str, mixer: str, task: str | None):
+    torch.manual_seed(0)
+    return create_model(f"{family}-tiny-{mixer}", **TINY, **(SEGMENTATION if task else {})).eval()
+
+
+def _model_id(family: str, mixer: str, task: str | None) -> str:
+    return f"{family}-{mixer}" + ("-seg" if task else "")
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    from ssogvit.export import load_exported
+    run = load_exported(sys.argv[1], format=sys.argv[2])
+    for shape in json.loads(sys.argv[3]):
+        try:
+            out = run(torch.randn(shape))
+        except Exception as err:
+            print(json.dumps([shape, None, type(err).__name__ + ": " + str(err)]), flush=True)
+        else:
+            print(json.dumps([shape, list(out.shape), None]), flush=True)
+""")
+
+
+def _run_in_child(path, fmt: str, shapes: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple]:
+    """Each shape run through the file in a child process (onnxruntime died of SIGFPE on a batch of 0): shape ->
+    (output shape or None, error or None); the child must exit 0."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), fmt, json.dumps(shapes)], capture_output=True,
+                          text=True, env=os.environ.copy(), timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    return {tuple(shape): (out, err) for shape, out, err in rows}
+
+
+def test_the_eager_model_refuses_what_every_file_must_refuse():
+    for family, mixer, task in MODELS:
+        model = _model(family, mixer, task)
+        assert refused_shapes(SHAPE, 4) == REFUSED[:3]
+        for shape in REFUSED:
+            with pytest.raises((ValueError, RuntimeError)):
+                with torch.no_grad():
+                    model(torch.randn(shape))
+        with pytest.raises(ValueError, match=r"an empty batch \(0, 3, 16, 16\): a model takes 1 image or more"):
+            model(torch.randn(0, 3, 16, 16))
+    assert refused_shapes((1, 1, 32, 32), 1) == [(0, 1, 32, 32), (1, 2, 32, 32)]  # patch 1 divides every size
+
+
+def _slow(family: str, mixer: str, task: str | None, fmt: str, dynamo: bool) -> bool:
+    """Over a minute on two shared cores: a segmentation model's dynamic-size exports (symbolic pyramid and head)."""
+    return task == "segmentation" and (fmt == "exported-program" or dynamo)
+
+
+_CASES = [pytest.param(*m, fmt, dyn, id=f"{FORMAT_IDS[fmt, dyn]}-{_model_id(*m)}",
+                       marks=[pytest.mark.slow] if _slow(*m, fmt, dyn) else [])
+          for m in MODELS for fmt, dyn in FORMAT_IDS]
+
+
+@pytest.mark.parametrize("family, mixer, task, fmt, dynamo", _CASES)
+def test_every_format_refuses_what_the_eager_model_refuses_and_computes_what_it_computes(
+        family, mixer, task, fmt, dynamo, tmp_path):
+    model = _model(family, mixer, task)
+    path = export_model(model, torch.randn(SHAPE), tmp_path / f"model{FORMATS[fmt]}", format=fmt, dynamo=dynamo)
+    other = (1, 3, 20, 24) if "size" in dynamic_dims(fmt, dynamo) else (1, 3, 16, 16)
+    for shape in (SHAPE, other):  # parity at two shapes
+        assert parity(model, path, torch.randn(shape), format=fmt) < 1e-4, shape
+    if fmt == "onnx":  # in a child: the process must survive every refusal
+        results = _run_in_child(path, fmt, REFUSED)
+        assert sorted(results) == sorted(REFUSED)
+        accepted = {shape: out for shape, (out, err) in results.items() if err is None}
+        assert not accepted, f"the ONNX file took {accepted}"
+        if dynamo:  # the graph's own check (the declared input shape fixes the channels only)
+            for shape in [(0, 3, 16, 16), (2, 3, 18, 16), (2, 3, 16, 17)]:
+                assert "indices element out of data bounds" in results[shape][1], results[shape]
+        return
+    for shape in REFUSED:
+        why = refusal(model, path, torch.randn(shape), format=fmt)
+        assert why is not None, f"{fmt} took a batch of shape {shape}"
+    if fmt == "torchscript":
+        assert "takes images (B >= 1, 3, 16, 16), got [0, 3, 16, 16]" in refusal(
+            model, path, torch.randn(0, 3, 16, 16), format=fmt)
+    else:
+        assert refusal(model, path, torch.randn(0, 3, 16, 16), format=fmt) == (
+            "AssertionError: Guard failed: images.size()[0] >= 1")
+        assert "Guard failed: images.size()[2] % 4 == 0" in refusal(model, path, torch.randn(2, 3, 18, 16), format=fmt)
+
+
+def test_refusal_names_what_the_eager_model_takes(tmp_path):
+    model = _model("vit", "ssog", None)
+    path = export_model(model, torch.randn(SHAPE), tmp_path / "m.pt2", format="exported-program")
+    with pytest.raises(ValueError, match=r"the eager model takes a batch of shape \(1, 3, 20, 24\)"):
+        refusal(model, path, torch.randn(1, 3, 20, 24), format="exported-program")
+
+
+def _cli(ckpt, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(ckpt), *args],
+                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+
+
+def _cli_case(family, mixer, task, fmt, dynamo, tmp_path):
+    ckpt = export_safetensors(_model(family, mixer, task), tmp_path / "model.safetensors")
+    done = _cli(ckpt, "--format", fmt, *([] if fmt != "onnx" or dynamo else ["--onnx-exporter", "torchscript"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    out = tmp_path / f"model{FORMATS[fmt]}"
+    assert out.is_file()
+    parities = [line for line in done.stdout.splitlines() if line.startswith("parity on a random batch")]
+    assert len(parities) == 2 and all(float(p.split("difference ")[1].split()[0]) < 1e-4 for p in parities)
+    prefix = "refused a batch of shape "
+    refused = [line[len(prefix):].split(", as the model does (")[0] for line in done.stdout.splitlines()
+               if line.startswith(prefix)]
+    assert refused == [str(s) for s in REFUSED[:3]], done.stdout
+    model = _model(family, mixer, task)
+    assert parity(model, out, torch.randn(SHAPE), format=fmt) < 1e-4  # loads back and runs
+
+
+#: the CLI in a subprocess: the ViT and the segmentation model by default (but the latter's slow exports), every other
+#: model under `slow`
+_CLI_CASES = [pytest.param(*m, fmt, dyn, id=f"{FORMAT_IDS[fmt, dyn]}-{_model_id(*m)}",
+                           marks=[] if m in MODELS[::5] and not _slow(*m, fmt, dyn) else [pytest.mark.slow])
+              for m in MODELS for fmt, dyn in FORMAT_IDS]
+
+
+@pytest.mark.parametrize("family, mixer, task, fmt, dynamo", _CLI_CASES)
+def test_export_cli_writes_a_file_that_computes_and_refuses_as_the_model_does(family, mixer, task, fmt, dynamo,
+                                                                              tmp_path):
+    _cli_case(family, mixer, task, fmt, dynamo, tmp_path)
+
+
+def test_export_cli_fails_when_the_file_takes_a_shape_the_model_refuses(tmp_path, monkeypatch, capsys):
+    ckpt = export_safetensors(_model("vit", "ssog", "segmentation"), tmp_path / "model.safetensors")
+    monkeypatch.setattr(ssogvit.export, "refusal", lambda *a, **k: None)  # a file without the graph's check
+    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "torchscript"]) == 2
+    err = capsys.readouterr().err
+    assert "the exported file took a batch of shape (0, 3, 16, 16), which the model refuses" in err
+    assert "was not written" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.safetensors"]  # no file, no temporary
+
