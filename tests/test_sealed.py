@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ssogvit.models import create_model, from_pretrained
-from ssogvit.models.sealed import DIGEST_KEY, UnverifiedFileWarning, WeightsFileError
+from ssogvit.models.sealed import DIGEST_KEY, SEALED_KEY, UnverifiedFileWarning, WeightsFileError
 from ssogvit.train.errors import CheckpointError
 from ssogvit.train.io import export_safetensors, load_model
 
@@ -67,6 +67,9 @@ def test_the_digest_covers_the_header_and_a_file_without_one_is_named_unverified
     with pytest.raises(CheckpointError, match="fails its integrity check"):
         load_model(path)
     _rewrite(path, {k: v for k, v in header.items() if k != DIGEST_KEY})
+    with pytest.raises(CheckpointError, match="says it was sealed by ssogvit but its digest is missing"):
+        load_model(path)
+    _rewrite(path, {k: v for k, v in header.items() if k not in (DIGEST_KEY, SEALED_KEY)})
     with pytest.warns(UnverifiedFileWarning, match="carries no ssogvit digest"):
         load_model(path)
 

@@ -97,6 +97,9 @@ def verify(state: Mapping[str, Tensor], header: Mapping[str, str], path: str | P
     `UnverifiedFileWarning` if the file has no digest, or one written before it covered the header (then the tensors
     are checked and the config is named as unverified)."""
     recorded = header.get(DIGEST_KEY)
+    if recorded is None and SEALED_KEY in header:  # sealed when written: its digest was taken out since
+        raise WeightsFileError(f"{path} says it was sealed by ssogvit but its digest is missing: the file was changed "
+                               "after it was written, and was not loaded")
     if recorded is None:
         warnings.warn(UnverifiedFileWarning(f"{path} carries no ssogvit digest: its weights and config are loaded "
                                             "unverified"), stacklevel=3)
