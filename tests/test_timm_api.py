@@ -389,7 +389,7 @@ def test_traced_mixer_takes_the_functional_path_and_matches_the_dense_reference(
 
 #: the slowest exports (the steered field's symbolic shapes through the dynamo ONNX exporter, about 20 s each); the
 #: default run exports the steered mixer with it in the vit family and every other pair
-_SLOW_EXPORTS = {("looped", "ssog-steered", "onnx", True), ("ode", "ssog-steered", "onnx", True)}
+_SLOW_EXPORTS = {(f, "ssog-steered", fmt, True) for f in ("looped", "ode") for fmt in ("onnx", "exported-program")}
 _EXPORT_FORMATS = [("exported-program", True), ("onnx", True), ("onnx", False), ("torchscript", False)]
 _EXPORT_IDS = {("exported-program", True): "export", ("onnx", True): "onnx-dynamo", ("onnx", False): "onnx-torchscript",
                ("torchscript", False): "torchscript"}
