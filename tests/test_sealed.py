@@ -105,3 +105,42 @@ def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "model.json does not match the config sealed in" in res.stderr
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_timm_overlay_checks_the_copy_and_a_saved_folder_its_top_level_classes(exported, tmp_path):
+    model, path = exported
+    side = path.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    meta["model_config"]["depth"] = 2
+    side.write_text(json.dumps(meta))
+    with pytest.raises(WeightsFileError, match=r"model.json does not match the config sealed in .*\(depth: 2"):
+        timm.create_model("ssogvit_looped_tiny_ssog", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    folder = create_model("vit-tiny-ssog", **TINY).save_pretrained(tmp_path / "saved")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_classes"] = 5
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (lambda: from_pretrained(folder), lambda: timm.create_model(f"local-dir:{folder}", pretrained=True)):
+        with pytest.raises(ValueError, match="num_classes 5 differs from model_args' 3"):
+            load()
+
+
+def test_eval_and_export_never_write_over_a_file_the_load_reads(exported, tmp_path):
+    _, path = exported
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    before = path.with_suffix(".json").read_text()
+    for args in (["eval", "--ckpt", str(path), "--json", str(path.with_suffix(".json")), "--overwrite", "data=digits"],
+                 ["export", "--ckpt", str(path), "--format", "torchscript", "--out", str(path.with_suffix(".json")),
+                  "--overwrite"]):
+        res = subprocess.run([sys.executable, "-m", "ssogvit", *args], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert res.returncode == 2 and "is one of this command's inputs" in res.stderr, res.stderr[-2000:]
+    assert path.with_suffix(".json").read_text() == before
+
+
+def test_export_safetensors_replaces_a_file_only_when_asked(exported):
+    model, path = exported
+    from ssogvit.outputs import OutputExistsError
+
+    with pytest.raises(OutputExistsError):
+        export_safetensors(model, path)
+    export_safetensors(model, path, overwrite=True)

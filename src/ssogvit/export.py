@@ -283,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ssogvit.train.io import checkpoint_files
+
     ckpt = input_file(args.ckpt, "--ckpt", what="checkpoint")
     out = check_output_file(args.out or ckpt.with_suffix(FORMATS[args.format]), "--out", overwrite=args.overwrite,
-                            inputs=[ckpt])
+                            inputs=checkpoint_files(ckpt))
     if args.format == "onnx":
         require_extra("export", "--format onnx")
     dynamo = args.onnx_exporter == "dynamo"

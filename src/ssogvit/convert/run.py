@@ -162,7 +162,7 @@ def _convert(cfg: DictConfig, c: dict[str, Any], out: Path, teacher, student, dm
         if not hasattr(student, "config"):
             student.config = model_config  # a timm student: its rebuild recipe (load_converted reads it)
         extra = {"metrics": metrics, "data": OmegaConf.to_container(cfg.data, resolve=True), "convert": c}
-        summary["export"] = str(export(student, out / "export" / "model.safetensors", extra=extra))
+        summary["export"] = str(export(student, out / "export" / "model.safetensors", extra=extra, overwrite=True))
     if verbose and trainer.is_global_zero:
         top1 = metrics.get("val/top1")
         print(f"\n== conversion {summary['name']} ({summary['model']}, recipe {c['recipe']}) ==\n"

@@ -231,8 +231,18 @@ def _check_saved_folder(folder: Path, name: str) -> None:
     if weights.is_file() and weights.stat().st_size > 8 * n + (1 << 24):  # fp64 at most, and a 16 MB header
         raise DocumentError(f"{weights}: {format_bytes(weights.stat().st_size)}, more than the weights of the model "
                             f"its config.json describes ({n:,} parameters) could be", argument=str(weights))
+    top = document.get("num_classes")  # timm builds the head from this one, not from model_args
+    if top is not None and top != config.get("num_classes", top):
+        raise DocumentError(f"{folder / 'config.json'}: num_classes {top!r} differs from model_args' "
+                            f"{config.get('num_classes')!r}; the two must agree", argument="config.json")
     if weights.is_file():  # the sealed config is the one that holds: config.json must state the same model
         _sealed_config(weights, (document, folder / "config.json"))
+
+
+def _side_copy(file: str | Path) -> tuple[Any, Path] | None:
+    """The readable copy of an export's config beside it (`model.json`) as `(document, path)`, if there is one."""
+    side = Path(file).with_suffix(".json")
+    return (read_document(side, "export config"), side) if side.is_file() else None
 
 
 def _sealed_config(file: str | Path, side: tuple[Any, Path] | None = None) -> dict[str, Any] | None:
@@ -264,7 +274,8 @@ def _timm_entrypoint(name: str):
                 )
             if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
                 _check_saved_folder(Path(cfg.file), name)
-            saved = _sealed_config(cfg.file) if cfg.file and str(cfg.file).endswith(".safetensors") else None
+            saved = (_sealed_config(cfg.file, _side_copy(cfg.file))
+                     if cfg.file and str(cfg.file).endswith(".safetensors") else None)
             if saved is not None:  # an ssogvit export: the weights say how the model was built
                 if saved.get("name") != name:
                     raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")

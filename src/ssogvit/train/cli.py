@@ -161,7 +161,7 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from .errors import ConfigError
-    from .io import load_model
+    from .io import checkpoint_files, load_model
 
     other = [o for o in overrides if not split_override(o)[0].startswith("data") or "=" not in o]
     if other:
@@ -171,7 +171,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
     check_device(args.device, "--device")
     if args.json:  # before any work: an existing file (or the checkpoint itself) is never replaced unasked
-        check_output_file(args.json, "--json", overwrite=args.overwrite, inputs=[args.ckpt])
+        check_output_file(args.json, "--json", overwrite=args.overwrite, inputs=checkpoint_files(args.ckpt))
     model = load_model(args.ckpt, use_ema=args.ema)
     trained_grid = tuple(model.grid_size)  # (gh, gw) the model was trained on
     if args.patch_size:

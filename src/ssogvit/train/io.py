@@ -43,7 +43,7 @@ __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
     "read_model_config", "check_checkpoint",
     "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
-    "content_digest", "DIGEST_KEY", "MAX_PARAMETERS",
+    "content_digest", "DIGEST_KEY", "MAX_PARAMETERS", "checkpoint_files",
 ]
 
 def _check_digest(contents: Mapping[str, Any], recorded: Any, path: Path) -> None:
@@ -126,6 +126,17 @@ def _config_from_ckpt(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, An
     if not isinstance(hp, Mapping) or not isinstance(hp.get("model_config"), Mapping):
         raise CheckpointError(f"{path} has no model_config in its hyper-parameters: not an ssogvit checkpoint")
     return _file_model_config(dict(hp["model_config"]), path)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """Every file a load of `path` reads or stands on: the file, the readable copies of its config beside it
+    (`model.json`, a saved folder's `config.json`) and, for a file in a run folder (`checkpoints/`, `export/`), the
+    run's `config.yaml` and `run.json`. A command's output may be none of them (`check_output_file(inputs=...)`)."""
+    p = Path(path).expanduser()
+    files = [p, p.with_suffix(".json"), p.parent / "config.json"]
+    if p.parent.name in ("checkpoints", "export"):
+        files += [p.parent.parent / "config.yaml", p.parent.parent / "run.json"]
+    return files
 
 
 def _export_meta(path: Path) -> tuple[dict[str, Any], Path | None]:
@@ -299,14 +310,15 @@ def atomic_checkpoint_io():
 
 
 def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str, Any] | None = None,
-                       overwrite: bool = True) -> Path:
+                       overwrite: bool = False) -> Path:
     """Write `model`'s weights to `path` (`.safetensors`, sealed: its config in the header and one digest of the
     tensors and the header, `ssogvit.models.sealed`) and a readable copy of the config to the `.json` beside it,
     atomically.
 
     Args:
         extra: more JSON-able facts to store beside the config (metrics, data normalisation, classes...).
-        overwrite: replace files that exist (a run rewrites its own export).
+        overwrite: replace files that exist (a run rewrites its own export); without it an existing file is an
+            `OutputExistsError` and nothing is written.
     """
     from safetensors.torch import save_file
 

@@ -339,13 +339,14 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
     }
     if trainer.is_global_zero and cfg.export.safetensors:
         extra = {"metrics": metrics, "data": OmegaConf.to_container(cfg.data, resolve=True), "run": summary["name"]}
-        path = export_safetensors(module.model, output_dir / "export" / "model.safetensors", extra=extra)
+        path = export_safetensors(module.model, output_dir / "export" / "model.safetensors", extra=extra,
+                                  overwrite=True)  # the run's own export
         if module.ema is not None:
             ema_model = module.ema.module
             if not hasattr(ema_model, "config"):
                 ema_model.config = module.model.config
             export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors",
-                               extra={**extra, "weights": "ema"})
+                               extra={**extra, "weights": "ema"}, overwrite=True)
         summary["export"] = str(path)
     return summary
 
