@@ -445,6 +445,9 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("model.kwargs.embed_dim=0", "embed_dim=0"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
     ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
     ("output_dir= ", "output_dir is empty"),
+    # contradictory settings (ssogvit.train.settings.CONSTRAINTS), refused together before anything is written
+    ("trainer.max_epochs=-1", "the run would never end"), ("trainer.limit_train_batches=0", "would train nothing"),
+    ("model.kwargs.num_classes=5", "model.kwargs.num_classes differs from data.num_classes"),
 ]]
 
 

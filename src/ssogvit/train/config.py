@@ -181,8 +181,8 @@ RUN_CONFIG_RULES: dict[str, Spec] = rules()
 
 def check_run_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` naming the first value of `cfg` that its declared spec refuses (`RUN_CONFIG_RULES`), a key
-    added to a closed section (`+optim.momentum=0.9`), an unknown optimizer, an empty `output_dir`, or EMA metrics
-    monitored without EMA."""
+    added to a closed section (`+optim.momentum=0.9`), settings that contradict each other (`settings.CONSTRAINTS`),
+    an unknown optimizer or an empty `output_dir`."""
     try:
         check_values(cfg)
     except InputError as err:
@@ -193,5 +193,3 @@ def check_run_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer (e.g. adamw, sgd, lamb)")
     if not str(cfg.output_dir).strip():
         raise ConfigError("output_dir is empty: give the run a folder (default runs/<name>)")
-    if str(cfg.ckpt.monitor).startswith("val_ema/") and not cfg.ema.enabled:
-        raise ConfigError(f"ckpt.monitor={cfg.ckpt.monitor} needs ema.enabled=true")
