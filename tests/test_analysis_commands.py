@@ -93,6 +93,15 @@ def test_fields_draws_atoms_and_the_query_field_for_ssog_and_mha(ckpts, tmp_path
     assert (tmp_path / "fields.md").read_text().count("| ssog |") == 2  # one row per block
 
 
+def test_fields_refuses_a_query_outside_the_grid_in_one_line_before_drawing(ckpts, tmp_path, capsys):
+    argv = ["fields", "--out", str(tmp_path / "out"), "--num-images", "12", "--query", "99,99",
+            "--ckpt", str(ckpts["ssog"])]
+    assert analyze_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--query 99,99: outside the" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.*"))
+
+
 def test_atoms_reports_effective_atoms_between_1_and_r(ckpts, tmp_path):
     data = _run("atoms", ckpts, ["ssog"], tmp_path)
     _assert_picture(tmp_path / "atoms.png")

@@ -263,18 +263,23 @@ def run_transfer(models, cfg, args, out: Path) -> dict:
 
 
 def run_fields(models, cfg, args, out: Path) -> dict:
-    pngs = []
-    ssog = {label: m for label, m in models.items() if any(is_ssog(x) for x in m.mixers())}
-    for label, m in ssog.items():
-        name = "fields_atoms.png" if len(ssog) == 1 else f"fields_atoms_{_slug(label)}.png"
-        pngs.append(plot_fields(m, out / name, title=f"{label}: SSoG atoms, offsets from the query cell (grey) in grid "
-                                "cells\ncentre +, 1σ filled (opacity by λ), 2σ dashed"))
     images, labels = _data.validation_set(cfg, limit=args.image_index + 1)
     if args.image_index >= len(images):
         raise UsageError(f"--image-index {args.image_index}: the validation set has {len(images)} images")
     if args.query is not None and len(args.query) != 2:
         raise UsageError(f"--query {','.join(map(str, args.query))}: expected one cell 'y,x'")
     query = tuple(args.query) if args.query else None
+    for m in models.values():  # checked before any drawing: each model's grid of patches on this image
+        grid = (int(images.shape[-2]) // m.patch_size, int(images.shape[-1]) // m.patch_size)
+        if query is not None and not (query[0] < grid[0] and query[1] < grid[1]):
+            raise UsageError(f"--query {query[0]},{query[1]}: outside the {grid[0]}x{grid[1]} grid of patches; "
+                             f"expected y in [0, {grid[0] - 1}] and x in [0, {grid[1] - 1}]")
+    pngs = []
+    ssog = {label: m for label, m in models.items() if any(is_ssog(x) for x in m.mixers())}
+    for label, m in ssog.items():
+        name = "fields_atoms.png" if len(ssog) == 1 else f"fields_atoms_{_slug(label)}.png"
+        pngs.append(plot_fields(m, out / name, title=f"{label}: SSoG atoms, offsets from the query cell (grey) in grid "
+                                "cells\ncentre +, 1σ filled (opacity by λ), 2σ dashed"))
     path, summary = plot_query_fields(models, images[args.image_index], out / "fields_query.png", query=query)
     pngs.append(path)
     rows = [(label, a, local, peak) for label, s in summary.items()
