@@ -33,6 +33,14 @@ def _rewrite(path, header):
     save_file(load_file(str(path)), str(path), metadata=header)
 
 
+def _edit_copy(path, **changes):
+    """Change keys of the model config in the readable copy (`model.json`) beside the export `path`."""
+    side = path.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    meta["model_config"].update(changes)
+    side.write_text(json.dumps(meta))
+
+
 @pytest.fixture
 def exported(tmp_path):
     model = create_model("looped-tiny-ssog", **TINY).eval()
@@ -95,10 +103,7 @@ def test_a_saved_folder_is_sealed_and_its_config_json_is_checked_against_the_wei
 
 def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path):
     _, path = exported
-    side = path.with_suffix(".json")
-    meta = json.loads(side.read_text())
-    meta["model_config"]["depth"] = 4
-    side.write_text(json.dumps(meta))
+    _edit_copy(path, depth=4)
     res = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(path), "--format", "torchscript",
                           "--out", str(tmp_path / "m.pt")], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
@@ -109,10 +114,7 @@ def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path)
 
 def test_timm_overlay_checks_the_copy_and_a_saved_folder_its_top_level_classes(exported, tmp_path):
     model, path = exported
-    side = path.with_suffix(".json")
-    meta = json.loads(side.read_text())
-    meta["model_config"]["depth"] = 2
-    side.write_text(json.dumps(meta))
+    _edit_copy(path, depth=2)
     with pytest.raises(WeightsFileError, match=r"model.json does not match the config sealed in .*\(depth: 2"):
         timm.create_model("ssogvit_looped_tiny_ssog", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     folder = create_model("vit-tiny-ssog", **TINY).save_pretrained(tmp_path / "saved")

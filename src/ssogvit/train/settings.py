@@ -289,31 +289,21 @@ def _refuse_unknown(cls: type, values: Mapping[str, Any], key: str) -> None:
                          argument=name, expected=f"one of {', '.join(known)}")
 
 
-#: settings that contradict each other, declared once: (what a run would do, whether the values `v` (dotted key ->
-#: value, None where unset) contradict, the one line that names them all and what to give instead); checked with the
-#: values, before a launch writes anything
-CONSTRAINTS: tuple[tuple[str, Callable[[Mapping[str, Any]], bool], str], ...] = (
-    ("never end", lambda v: v["trainer.max_epochs"] == -1 and v["trainer.max_steps"] in (None, -1),
+#: settings that contradict each other, declared once: (whether the values contradict, given `v(dotted key)` -> the
+#: value or None where unset; the one line that names them all and what to give instead), checked with the values,
+#: before a launch writes anything
+CONSTRAINTS: tuple[tuple[Callable[[Callable[[str], Any]], bool], str], ...] = (
+    (lambda v: v("trainer.max_epochs") == -1 and v("trainer.max_steps") in (None, -1),
      "trainer.max_epochs=-1 and trainer.max_steps=-1: the run would never end; give either a positive value"),
-    ("train nothing", lambda v: v["trainer.limit_train_batches"] is not None
-     and float(v["trainer.limit_train_batches"]) == 0,
+    (lambda v: v("trainer.limit_train_batches") is not None and float(v("trainer.limit_train_batches")) == 0,
      "trainer.limit_train_batches=0: the run would train nothing; give a count >= 1 or a fraction in (0, 1]"),
-    ("build a head the labels do not fit", lambda v: None not in (v["model.kwargs.num_classes"],
-                                                                  v["data.num_classes"])
-     and v["model.kwargs.num_classes"] != v["data.num_classes"],
+    (lambda v: None not in (v("model.kwargs.num_classes"), v("data.num_classes"))
+     and v("model.kwargs.num_classes") != v("data.num_classes"),
      "model.kwargs.num_classes differs from data.num_classes: the head must have one output per class of the data; "
      "set data.num_classes (the model takes it from there)"),
-    ("monitor what is not computed", lambda v: str(v["ckpt.monitor"]).startswith("val_ema/")
-     and not v["ema.enabled"], "ckpt.monitor=val_ema/... needs ema.enabled=true"),
+    (lambda v: str(v("ckpt.monitor")).startswith("val_ema/") and not v("ema.enabled"),
+     "ckpt.monitor=val_ema/... needs ema.enabled=true"),
 )
-
-
-def _constraint_values(cfg: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    keys = ("trainer.max_epochs", "trainer.max_steps", "trainer.limit_train_batches", "model.kwargs.num_classes",
-            "data.num_classes", "ckpt.monitor", "ema.enabled")
-    return {k: OmegaConf.select(cfg, k, default=None) for k in keys}
 
 
 def check_values(cfg: Any) -> None:
@@ -331,9 +321,8 @@ def check_values(cfg: Any) -> None:
         node = OmegaConf.select(cfg, key, default=None)
         if not getattr(cls, "OPEN", False) and isinstance(node, Mapping):
             _refuse_unknown(cls, node, key)
-    values = _constraint_values(cfg)
-    for _, contradicts, message in CONSTRAINTS:
-        if contradicts(values):
+    for contradicts, message in CONSTRAINTS:
+        if contradicts(lambda key: OmegaConf.select(cfg, key, default=None)):
             raise InputError(message)
 
 
