@@ -4,6 +4,7 @@ checked by their specs, read as typed sections by the training code, and listed 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -90,3 +91,33 @@ def test_the_docs_list_every_setting_as_declared():
     assert shown == settings_markdown(), (
         "docs/training.md's settings table differs from the declaration: paste the output of "
         "`python -c 'from ssogvit.train.settings import settings_markdown; print(settings_markdown())'`")
+
+
+def test_a_warm_up_longer_than_the_run_is_said_not_silently_capped():
+    """`sched.warmup_epochs=1000` in a 1-epoch run was capped without a word (the config still says 1000)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ssogvit.train.module import step_cosine_schedule
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    trainer = SimpleNamespace(estimated_stepping_batches=39, max_epochs=1)
+    with pytest.warns(UserWarning, match=r"sched.warmup_epochs=1000 covers the whole run \(1 epochs\): the warm-up "
+                                         r"is capped at 38 of its 39 steps"):
+        sched = step_cosine_schedule(opt, trainer, {"warmup_epochs": 1000})
+    assert sched["scheduler"].warmup_t == 38
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warm-up that fits says nothing
+        step_cosine_schedule(opt, SimpleNamespace(estimated_stepping_batches=39, max_epochs=4), {"warmup_epochs": 1})
+
+
+def test_optimizer_betas_are_checked_before_the_run():
+    """`optim.betas=[2,3]` ended in a traceback from the optimizer mid-launch, the folder left 'running'."""
+    from ssogvit.train.config import compose
+    from ssogvit.train.settings import check_values
+
+    check_values(compose(["data=synthetic", "optim.betas=[0.9,0.99]"]))
+    for bad in ("[2,3]", "[0.9]", "abc"):
+        with pytest.raises(InputError, match=r"optim.betas=.*: expected a list of 2 numbers in \[0, 1\)"):
+            check_values(compose(["data=synthetic", f"optim.betas={bad}"]))

@@ -68,10 +68,12 @@ def test_main_job_tables_folders_curves_exit_0_and_a_fresh_folder(tmp_path, caps
 @pytest.mark.parametrize("args, message", [
     (["--epochs", "0"], "argument --epochs: expected an integer >= 1, got '0'"),
     (["--epochs", "2.5"], "argument --epochs: expected an integer >= 1, got '2.5'"),
-    (["--seeds", "0,x"], "argument --seeds: expected a list of 1 or more integers in [0, 4294967295], got '0,x'"),
+    (["--seeds", "0,x"], "argument --seeds: expected a list of 1 or more distinct integers in [0, 4294967295], got '0,x'"),
     (["--mixers", "ssog,foo"],
      "--mixers 'ssog,foo': unknown mixer 'foo'; expected a comma-separated list from ssog, ssog-steered, mha"),
     (["--heads", "cls"], "--heads 'cls': unknown head 'cls'; expected a comma-separated list from avg, token"),
+    (["--seeds", "0,0"], "argument --seeds: expected a list of 1 or more distinct integers in [0, 4294967295], "
+                         "got '0,0'"),  # two runs of one seed raced one folder
     (["--jobs", "-1"], "argument --jobs: expected an integer >= 1"),
     (["trainer.max_epochs=0"], "trainer.max_epochs=0: expected an integer >= 1 or -1"),
 ])

@@ -27,7 +27,7 @@ from ssogvit.train import load_model
 from ssogvit.train.config import compose, quote_override
 from ssogvit.outputs import is_temp_name, temp_path
 from ssogvit.train.io import atomic_write, read_checkpoint
-from ssogvit.train.run_folder import LOCK_NAME, config_diff, folder_state, prune_logs
+from ssogvit.train.run_folder import LOCK_NAME, config_diff, folder_state, fresh_folder, prune_logs
 from ssogvit.train.run_folder import FolderLock as RunLock
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -145,6 +145,13 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path,
         assert torch.equal(last["state_dict"]["model." + k], v), k
     assert not [p for p in run.rglob("*") if is_temp_name(p.name)]
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
+
+
+def test_a_job_of_several_runs_never_writes_into_a_run_folder(finished):
+    """`ssogvit main --out <a finished train run>` wrote its runs and tables inside that run: the base folder itself
+    must hold no run, not only the parts the job writes."""
+    assert fresh_folder(finished, parts=("ssog/avg/seed0",)) == finished.with_name(f"{finished.name}-2")
+    assert fresh_folder(finished.parent / "new", parts=("ssog/avg/seed0",)) == finished.parent / "new"
 
 
 def test_stale_temp_files_go_and_a_mid_epoch_checkpoint_does_not_resume(tmp_path):
@@ -425,6 +432,9 @@ BAD_INPUTS = [
     (["eval", "--ckpt", "x.ckpt", "foo=1"], ["unknown argument 'foo=1'"]),
     (["eval", "--ckpt", "x.ckpt", "--img_size", "3"], ["unknown argument '--img_size'"]),
     (["transfer", "--ckpt", "/nonexistent/x.ckpt", "data=synthetic"], ["does not exist"]),
+    # an override of what an option of transfer sets contradicts it (the run used to follow one and be named by the other)
+    (["transfer", "--ckpt", "a.ckpt", "--mode", "linear", "transfer.mode=finetune"], ["contradicts --mode"]),
+    (["transfer", "--ckpt", "a.ckpt", "+transfer.ckpt=b.ckpt"], ["contradicts --ckpt", "give it there, once"]),
     (["main", "--mixers", "ssog,foo"], ["unknown mixer"]),
 ]
 # values a run config may not take, on top of a run that is otherwise fine: refused before anything is written

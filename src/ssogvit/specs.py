@@ -32,7 +32,7 @@ import math
 import numbers
 import operator
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch
 from ssogvit.errors import InputError, refused
 
 __all__ = [
-    "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Ints", "checked", "check_args",
+    "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Items", "Ints", "checked", "check_args",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
     "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE",
 ]
@@ -263,26 +263,40 @@ class IntOrPair(Spec):
 
 
 @dataclass(frozen=True)
-class Ints(Spec):
-    """A list of at least `min_len` integers of `item` (`16,14,8` on a command line); returned as a list."""
+class Items(Spec):
+    """A list of `min_len` to `max_len` values of `item` (`16,14,8` on a command line), each once if `distinct`;
+    returned as a list."""
 
-    item: Int = Int()
+    item: Spec = Int()
     min_len: int = 1
+    max_len: int | None = None
+    distinct: bool = False  # no value twice (seeds: two runs of one seed would be one run twice)
 
     def expected(self) -> str:
-        return f"a list of {self.min_len} or more of {self.item.expected()}".replace("of an integer", "integers")
+        count = (f"{self.min_len} or more" if self.max_len is None else str(self.min_len)
+                 if self.max_len == self.min_len else f"{self.min_len} to {self.max_len}")
+        each = self.item.expected().replace("an integer", "integers", 1).replace("a number", "numbers", 1)
+        return f"a list of {count} {'distinct ' if self.distinct else ''}{each}"
 
-    def _check(self, value: Any, name: str) -> list[int]:
-        if not isinstance(value, (list, tuple)) or len(value) < self.min_len:
-            raise refused(name, value, self._expected(), wrong_type=not isinstance(value, (list, tuple)))
+    def _check(self, value: Any, name: str) -> list[Any]:
+        listlike = isinstance(value, Sequence) and not isinstance(value, (str, bytes))  # OmegaConf's ListConfig too
+        if not listlike or not self.min_len <= len(value) <= (self.max_len or len(value)):
+            raise refused(name, value, self._expected(), wrong_type=not listlike)
         try:
-            return [self.item.check(v, name) for v in value]
+            out = [self.item.check(v, name) for v in value]
         except InputError as err:
             raise refused(name, value, self._expected(), wrong_type=isinstance(err, TypeError)) from None
+        if self.distinct and len(set(out)) < len(out):
+            raise refused(name, value, self._expected())
+        return out
 
     def _parse(self, text: str, name: str) -> Any:
         parts = [p.strip() for p in text.split(",") if p.strip()]
         return [self.item._parse(p, name) for p in parts]
+
+
+#: the name of `Items` where the items are integers (the default item), as the API has always spelled it
+Ints = Items
 
 
 def _specs_of(func: Callable) -> dict[str, Spec]:

@@ -98,6 +98,20 @@ def transfer_main(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=("linear", "finetune"), default="linear")
     parser.add_argument("--use-ema", action="store_true", help="take the EMA weights of the source checkpoint")
     args, overrides = parser.parse_known_args(argv)
+    return report_errors("ssogvit transfer", lambda: _transfer(args, overrides))
+
+
+#: the settings `ssogvit transfer` takes from its own options: an override of one of them would contradict the option
+_TRANSFER_FLAGS = {"transfer.ckpt": "--ckpt", "transfer.mode": "--mode", "transfer.use_ema": "--use-ema"}
+
+
+def _transfer(args: argparse.Namespace, overrides: list[str]) -> int:
+    from .errors import ConfigError
+
+    for key, override in ((split_override(o)[0], o) for o in overrides):
+        if key in _TRANSFER_FLAGS:
+            raise ConfigError(f"{override!r} contradicts {_TRANSFER_FLAGS[key]}: transfer takes {key} from its "
+                              f"option {_TRANSFER_FLAGS[key]}; give it there, once")
     base = [f"transfer.ckpt={args.ckpt}", f"transfer.mode={args.mode}", f"transfer.use_ema={args.use_ema}"]
     if not any(o.startswith("name=") for o in overrides):  # two sources never share a run folder
         base.append(f"name=transfer_{args.mode}_${{data.name}}_{_source_tag(args.ckpt)}")

@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mixers", default=None, help="only these mixers, comma-separated (ssog, ssog-steered, mha)")
     parser.add_argument("--heads", default=None, help="every experiment with these heads, comma-separated: avg (mean "
                         "of the patch tokens), token (class token); default each mixer's own")
-    parser.add_argument("--seeds", type=Ints(item=SEED).argparse, default=None,
+    parser.add_argument("--seeds", type=Ints(item=SEED, distinct=True).argparse, default=None,
                         help="comma-separated seeds (default the plan's: 0,1,2)")
     parser.add_argument("--jobs", type=at_least_one, default=2, help="runs trained at once, each in its own process "
                         "(default 2)")

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ssogvit.models.maps import record_attention
 
@@ -51,6 +52,10 @@ def step_cosine_schedule(optimizer: torch.optim.Optimizer, trainer: Any,
     total = max(int(trainer.estimated_stepping_batches), 1)
     epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
     warmup = int(round(float(sched.warmup_epochs) * total / epochs))
+    if warmup >= total and total > 1:  # said, not silently capped (a short run of a recipe made for a long one)
+        rank_zero_warn(f"sched.warmup_epochs={sched.warmup_epochs:g} covers the whole run ({epochs} epochs): the "
+                       f"warm-up is capped at {total - 1} of its {total} steps, so the learning rate peaks at the end; "
+                       f"give fewer warm-up epochs for a schedule that decays")
     scheduler = CosineLRScheduler(
         optimizer, t_initial=total, lr_min=float(sched.min_lr), warmup_t=min(warmup, total - 1),
         warmup_lr_init=float(sched.warmup_lr), t_in_epochs=False,

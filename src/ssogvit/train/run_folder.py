@@ -256,10 +256,10 @@ def prune_logs(folder: str | Path, *, epoch: int, step: int) -> None:
 
 
 def fresh_folder(base: str | Path, *, parts: tuple[str, ...] = ()) -> Path:
-    """`base`, or `base-2`, `base-3`, ... : the first whose `parts` (or itself) hold no run."""
+    """`base`, or `base-2`, `base-3`, ... : the first that holds no run, itself or in any of its `parts`."""
     base = Path(base)
     for i in range(1, 10_000):
         candidate = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        if all(folder_state(candidate / p) == "fresh" for p in (parts or ("",))):
+        if all(folder_state(candidate / p) == "fresh" for p in ("", *parts)):
             return candidate
     raise RunFolderError(f"no free folder next to {base} (tried {base.name}-2 ... {base.name}-9999)")

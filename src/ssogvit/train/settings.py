@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ssogvit.errors import InputError
-from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, Int, Spec
+from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, Int, Items, Spec
 
 __all__ = [
     "RunSettings", "TrainerSettings", "ProgressSettings", "ClusterSettings", "OptimSettings", "SchedSettings",
@@ -120,7 +120,8 @@ class OptimSettings:
                         "at a global batch of lr_base_batch; scaled linearly with the real global batch")
     lr_base_batch: float | None = setting(512, Float(0, low_open=True, none=True), "null: lr is not scaled")
     weight_decay: float = setting(0.05, Float(0), "not applied to the model's no_weight_decay() set, norms and biases")
-    betas: list[float] = setting([0.9, 0.999])
+    betas: list[float] = setting([0.9, 0.999], Items(Float(0, 1, high_open=True), min_len=2, max_len=2),
+                                 "Adam-type optimizers' moment decays")
     eps: float = setting(1.0e-8, Float(0))
 
 
