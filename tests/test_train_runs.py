@@ -147,6 +147,17 @@ def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path,
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
+def test_a_run_without_validation_claims_no_best_checkpoint(tmp_path, capsys):
+    """`trainer.limit_val_batches=0`: the summary said "best top-1 nan%" and named a best.ckpt that was never written,
+    and run.json held NaN (not JSON)."""
+    out = tmp_path / "run"
+    assert cli_main(["train", *tiny(out, "trainer.limit_val_batches=0", epochs=1)]) == 0
+    text = capsys.readouterr().out
+    assert "(best top-1 n/a: no validation ran)" in text and "(last.ckpt)" in text and "nan" not in text
+    assert not (out / "checkpoints" / "best.ckpt").exists()
+    assert json.loads((out / "run.json").read_text(), parse_constant=lambda c: pytest.fail(c))["best"] is None
+
+
 def test_a_job_of_several_runs_never_writes_into_a_run_folder(finished):
     """`ssogvit main --out <a finished train run>` wrote its runs and tables inside that run: the base folder itself
     must hold no run, not only the parts the job writes."""

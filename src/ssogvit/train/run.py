@@ -16,7 +16,6 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
@@ -324,7 +323,8 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
         "epochs": int(trainer.current_epoch),
         "steps": int(trainer.global_step),
         "metrics": metrics,
-        "best": float(best_cb.best_model_score) if best_cb.best_model_score is not None else math.nan,
+        # None when no validation ran (check_val_every_n_epoch past the run, limit_val_batches=0): no best.ckpt
+        "best": float(best_cb.best_model_score) if best_cb.best_model_score is not None else None,
         "monitor": str(cfg.ckpt.monitor),
         "time_s": time.perf_counter() - start,
         "output_dir": str(output_dir),
@@ -357,6 +357,12 @@ def format_summary(s: dict[str, Any]) -> str:
     def pct(key: str) -> str:
         return f"{m[key]:.2f}%" if key in m else "n/a"
 
+    def loss(key: str) -> str:
+        return f"{m[key]:.4f}" if key in m else "n/a"
+
+    best = f"{s['best']:.2f}%" if s["best"] is not None else "n/a: no validation ran"
+    kept = [n for n in ("last.ckpt", "best.ckpt") if (Path(s["checkpoints"]) / n).is_file()]
+
     lines = [
         "",
         f"== run {s['name']} ({s['model']}, {s['parameters'] / 1e6:.3f}M parameters) ==",
@@ -365,20 +371,20 @@ def format_summary(s: dict[str, Any]) -> str:
     if "val/miou" in m:  # a segmentation run
         lines += [
             f"val   mIoU {pct('val/miou')}  pixel accuracy {pct('val/pixel_acc')}  "
-            f"loss {m.get('val/loss', math.nan):.4f}  (best {s.get('monitor', 'val/miou')} {s['best']:.2f}%)",
-            f"train mIoU {pct('train/miou')}  loss {m.get('train/loss_epoch', math.nan):.4f}",
+            f"loss {loss('val/loss')}  (best {s.get('monitor', 'val/miou')} {best})",
+            f"train mIoU {pct('train/miou')}  loss {loss('train/loss_epoch')}",
         ]
     else:
         lines += [
             f"val   top-1 {pct('val/top1')}  top-3 {pct('val/top3')}  top-5 {pct('val/top5')}  "
-            f"loss {m.get('val/loss', math.nan):.4f}  (best top-1 {s['best']:.2f}%)",
+            f"loss {loss('val/loss')}  (best top-1 {best})",
             f"train top-1 {pct('train/top1_epoch') if 'train/top1_epoch' in m else pct('train/top1')}  "
-            f"loss {m.get('train/loss_epoch', math.nan):.4f}",
+            f"loss {loss('train/loss_epoch')}",
         ]
     if "val_ema/top1" in m:
         lines.append(f"EMA   top-1 {pct('val_ema/top1')}")
     lines += [
-        f"checkpoints  {s['checkpoints']}  (last.ckpt, best.ckpt)",
+        f"checkpoints  {s['checkpoints']}  ({', '.join(kept) or 'none'})",
     ]
     logs = [f"{s[k]} ({kind})" for k, kind in (("logs", "CSV"), ("tensorboard", "TensorBoard")) if Path(s[k]).is_dir()]
     if logs:  # the `logger` group chooses them
