@@ -126,3 +126,30 @@ def test_report_reads_the_test_split_and_writes_a_sweep_table_apart_from_compari
     finals = {r.split("|")[3].strip(): float(r.split("|")[4].split()[0]) for r in rows}
     chosen = next(r.split("|")[3].strip() for r in rows if "**chosen**" in r)
     assert finals[chosen] == max(finals.values())  # the best final validation top-1
+
+
+def test_a_comparison_never_averages_two_different_models_as_seeds(runs):
+    """Runs of depth 4 and depth 2 (seeds 42 and 1) were averaged as two seeds of one model."""
+    from ssogvit.train.report import ReportError, models_markdown
+
+    _, _, plain = runs
+    a, b = read_run(plain), read_run(plain)
+    b.seed = a.seed + 1
+    assert f"| {a.family} | {a.head} | {a.mixer} |" in models_markdown([a, b])  # two seeds of one model
+    b.model = {**b.model, "kwargs": {**b.model["kwargs"], "depth": 7}}
+    with pytest.raises(ReportError, match=r"two different models of vit ssog \(token head\): model.kwargs.depth: "
+                                          r"vit_digits 1, vit_digits 7; a comparison averages the seeds of one model"):
+        models_markdown([a, b])
+    b.model = {**a.model, "kwargs": {k: v for k, v in a.model["kwargs"].items() if k != "global_pool"}}
+    assert a.head == "token" and b.model != a.model  # the head left to its default, or said: one model
+    assert f"| {a.family} | {a.head} | {a.mixer} |" in models_markdown([a, b])
+
+
+def test_a_run_that_leaves_its_head_to_the_model_is_labelled_with_the_head_the_model_built():
+    """`global_pool: null` builds the mixer's own head (mean-pooled for SSoG): the report called it 'token'."""
+    from ssogvit.train.report import _head
+
+    assert _head({"mixer": "ssog", "kwargs": {"global_pool": None}}) == "avg"
+    assert _head({"mixer": "mha", "kwargs": {}}) == "token"
+    assert _head({"mixer": "ssog", "kwargs": {"global_pool": "token"}}) == "token"
+

@@ -40,6 +40,7 @@ from ssogvit.documents import input_folder, read_document
 from ssogvit.errors import InputError
 from ssogvit.specs import Int
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_folder, staged_outputs
+from .run_folder import config_diff
 
 if TYPE_CHECKING:
     from .comparison import Gap
@@ -70,6 +71,7 @@ class RunLog:
     metric: str = "val/top1"  # what the run is scored by: val/top1, or val/miou for a segmentation run
     test: dict[str, float] = field(default_factory=dict)  # the final weights on the held-out test split, if any
     settings: dict[str, Any] = field(default_factory=dict)  # the hyper-parameters a sweep may vary (SWEPT)
+    model: dict[str, Any] = field(default_factory=dict)  # the run config's model section: the seeds of one model share it
 
     @property
     def epochs_done(self) -> int:
@@ -106,6 +108,14 @@ def _dotted(cfg: dict, key: str) -> Any:
     return cfg
 
 
+def _head(model: dict[str, Any]) -> str:
+    """The head a run's model section builds: its `global_pool`, or (null) the mixer's own, as `create_model` does."""
+    from ssogvit.layers import default_pool
+
+    pool = (model.get("kwargs") or {}).get("global_pool")
+    return str(default_pool(str(model.get("mixer"))) if pool is None else pool)
+
+
 def read_run(path: str | Path) -> RunLog:
     """The logged metrics and paper rows of the run in `path` (a folder written by `ssogvit train`)."""
     path = input_folder(path, "RUN_DIR")
@@ -124,11 +134,11 @@ def read_run(path: str | Path) -> RunLog:
         run = RunLog(path=path, name=str(cfg.get("name", path.name)), data=str(cfg["data"]["name"]),
                      max_epochs=int(cfg["trainer"]["max_epochs"]), rows=rows, family=str(model.get("family", "")),
                      mixer=str(model.get("mixer", "")),
-                     head=str((model.get("kwargs") or {}).get("global_pool") or "token"),
+                     head=_head(model),
                      seed=int(cfg.get("seed", 0)),
                      paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]),
                      metric="val/miou" if (model.get("kwargs") or {}).get("task") == "segmentation" else "val/top1",
-                     settings={k: _dotted(cfg, k) for k in SWEPT})
+                     settings={k: _dotted(cfg, k) for k in SWEPT}, model=dict(model))
         for m in rows:
             int(m["table"]), str(m["row"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -256,6 +266,10 @@ def _score(run: RunLog) -> float:
     return run.test_top1 if run.test_top1 is not None else run.final_top1()
 
 
+#: the model keys a sweep varies (SWEPT): shown in the settings column, not a different model
+_SWEPT_MODEL_KEYS = tuple(k[len("model."):] for k in SWEPT if k.startswith("model."))
+
+
 def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]:
     """`{(family, head, mixer): {seed: run}}`, refused where one model has two runs of one seed (a sweep's runs are
     reported apart, in sweep.md)."""
@@ -267,6 +281,13 @@ def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]
             raise ReportError(f"{other.path} and {run.path}: two runs of {run.family} {run.mixer} ({run.head} head) "
                               f"with seed {run.seed} ({other.setting()} / {run.setting()}); a comparison takes one "
                               "setting per model: report the sweep's runs apart (it writes sweep.md)")
+        differ = [d for r in seeds.values() for d in config_diff(r.model, run.model, ignored=_SWEPT_MODEL_KEYS,
+                                                                labels=(f"{r.path.name}", f"{run.path.name}"))]
+        if differ:
+            other = next(iter(seeds.values()))
+            raise ReportError(f"{other.path} and {run.path}: two different models of {run.family} {run.mixer} "
+                              f"({run.head} head): model.{differ[0]}; a comparison averages the seeds of one model: "
+                              "report them apart")
         seeds[run.seed] = run
     order = {"vit": 0, "looped": 1, "ode": 2}
     return dict(sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1] != "avg",

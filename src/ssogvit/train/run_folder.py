@@ -97,15 +97,17 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
 
 
-def config_diff(saved: Mapping[str, Any], new: Mapping[str, Any], ignored: Sequence[str] = IGNORED_KEYS) -> list[str]:
-    """`"key: saved A, now B"` for each key (dotted) that differs, `ignored` keys and their children left out."""
+def config_diff(saved: Mapping[str, Any], new: Mapping[str, Any], ignored: Sequence[str] = IGNORED_KEYS,
+                labels: tuple[str, str] = ("saved", "now")) -> list[str]:
+    """`"key: saved A, now B"` (`labels`) for each key (dotted) that differs, `ignored` keys and their children left
+    out."""
     a, b = _flatten(saved), _flatten(new)
     out = []
     for key in sorted(set(a) | set(b)):
         if key in ignored or key.startswith(tuple(k + "." for k in ignored)):
             continue
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append(f"{key}: saved {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r}")
+            out.append(f"{key}: {labels[0]} {a.get(key, '<absent>')!r}, {labels[1]} {b.get(key, '<absent>')!r}")
     return out
 
 
