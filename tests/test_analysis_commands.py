@@ -100,6 +100,10 @@ def test_fields_refuses_a_query_outside_the_grid_in_one_line_before_drawing(ckpt
     err = capsys.readouterr().err
     assert "--query 99,99: outside the" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.*"))
+    # a label for no model was dropped without a word
+    assert analyze_main(["atoms", "--out", str(tmp_path / "out"), "--ckpt", str(ckpts["ssog"]), "--label", "a",
+                         "--label", "b"]) == 2
+    assert "2 --label for 1 model(s): give at most one per --ckpt/--model" in capsys.readouterr().err
 
 
 def test_atoms_reports_effective_atoms_between_1_and_r(ckpts, tmp_path):

@@ -145,8 +145,15 @@ def export_model(
         dynamic: the dimensions ``dynamic_dims(format, dynamo)`` take any size; ``False``: the example's shape only.
 
     Raises:
-        ValueError: an unknown format, or an example that would fix a dynamic dimension.
+        ValueError: an unknown format, an example that would fix a dynamic dimension, or an ODE model whose adaptive
+            solver chooses its steps from the data (no format holds that).
     """
+    from ssogvit.models.ode import ADAPTIVE_SOLVERS
+
+    if getattr(model, "solver", None) in ADAPTIVE_SOLVERS:  # refused before any exporter dumps its graph
+        raise ValueError(f"the ODE solver {model.solver!r} chooses its number of steps from the data, which no "
+                         "exported format can hold; export the model built with a fixed-step solver (solver='rk4' "
+                         "or 'euler', the same weights)")
     dims = dynamic_dims(format, dynamo) if dynamic else ()
     patch = _patch_size(model)
     b, _, h, w = example.shape
@@ -274,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static", action="store_true",
                         help="no dynamic dimensions: the file is for the traced shape (default: any batch and, "
                              "where the format allows, any image size)")
-    parser.add_argument("--onnx-exporter", choices=("dynamo", "torchscript"), default="dynamo")
+    parser.add_argument("--onnx-exporter", choices=("dynamo", "torchscript"), default=None,
+                        help="with --format onnx: torch.onnx's exporter (default dynamo)")
     parser.add_argument("--tolerance", type=Float(0).argparse, default=TOLERANCE,
                         help="largest accepted max abs difference")
     parser.add_argument(OVERWRITE_FLAG, action="store_true", help="replace an existing output file")
@@ -290,7 +298,9 @@ def _export(args: argparse.Namespace) -> int:
                             inputs=checkpoint_files(ckpt))
     if args.format == "onnx":
         require_extra("export", "--format onnx")
-    dynamo = args.onnx_exporter == "dynamo"
+    elif args.onnx_exporter:  # an option of another format would be ignored
+        raise UsageError(f"--onnx-exporter chooses the exporter of --format onnx; --format {args.format} has none")
+    dynamo = (args.onnx_exporter or "dynamo") == "dynamo"
     dims = () if args.static else dynamic_dims(args.format, dynamo)
     if "batch" in dims and args.batch < 2:
         raise UsageError("a dynamic batch is traced at --batch 2 or more (an exporter fixes a dimension traced at "

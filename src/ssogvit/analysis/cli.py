@@ -132,6 +132,8 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
                 models.append((name, create_model(name, **kwargs).eval()))
             except (ValueError, TypeError) as err:  # an unknown name or option, a value out of range
                 raise UsageError(f"--model {name}: {str(err).splitlines()[0]}") from None
+    if len(args.label) > len(models):  # a label for no model would be dropped
+        raise UsageError(f"{len(args.label)} --label for {len(models)} model(s): give at most one per --ckpt/--model")
     labels = list(args.label) + [label for label, _ in models][len(args.label):]
     out: dict[str, nn.Module] = {}
     for label, (_, model) in zip(labels, models):
