@@ -1,6 +1,7 @@
 # Two entry points, both install what they need on a fresh machine into ./.venv:
 #   make demo   install, then train SSoG and its MHA twin on the embedded digits data (the main job)
-#   make test   install, then run the test suite (one pytest-xdist worker per core)
+#   make test   install, then run the test suite (one pytest-xdist worker per core; a test file stays on one worker, so
+#               its module fixtures are built once)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,4 +22,4 @@ demo: install
 	$(VENV)/bin/ssogvit main
 
 test: install
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist loadfile

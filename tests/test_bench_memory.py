@@ -69,6 +69,7 @@ def test_a_training_step_is_measured_by_the_allocator_with_what_lives_across_it(
     assert again == first  # the allocator's bytes, not pages: the same every time
 
 
+@pytest.mark.slow
 def test_the_step_peak_is_the_same_in_fresh_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["models", "--families", "vit", "--sizes", "tiny", "--mixers", "ssog", "--set", "depth=2", "--res", "64",

@@ -127,6 +127,7 @@ def test_help_and_cfg_job():
     assert cfg["model"]["mixer"] == "mha" and "hydra" not in cfg and set(cfg["logger"]) == {"csv", "tensorboard"}
 
 
+@pytest.mark.slow
 def test_multirun_sweep_gives_each_job_its_own_folder_and_keeps_the_folder_rules(tmp_path):
     sweep = tmp_path / "sweep"
     res = ssogvit("train", "-m", *TINY, "model.mixer=ssog,mha", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -237,6 +238,7 @@ def test_eval_mistakes_end_in_one_or_two_lines(tiny_run, args, starts):
     assert_user_error(ssogvit("eval", "--ckpt", str(tiny_run / "checkpoints" / "best.ckpt"), *args), starts)
 
 
+@pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}
     for rescale in ([], ["--rescale-field"]):
@@ -314,6 +316,7 @@ def _results(path: Path, *, cpu: str = "test cpu", ms: float = 1.0) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
     (tmp_path / "flops.json").write_text(json.dumps([{"model": "vit-tiny-ssog", "res": 32, "gflops": 0.05}]))
     a, b = _results(tmp_path / "a.json", ms=1.0), _results(tmp_path / "b.json", ms=3.0)

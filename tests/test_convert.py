@@ -317,6 +317,7 @@ def test_looped_and_ode_teachers_convert_to_their_own_family(family):
         ConversionModule(student, teacher, recipe={}, distill={"recipe": "progressive"})
 
 
+@pytest.mark.slow
 def test_convert_takes_hydra_forms_and_paths_with_equals_signs(teacher_file, tmp_path):
     odd = tmp_path / "a=b,c"
     odd.mkdir()

@@ -437,6 +437,7 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_built_once_cached_replaced_without_a_compiler_and_loading_it_leaves_denormals_alone(tmp_path):
     """In fresh processes: the first builds the library into the cache, the second loads it from there; without a
     compiler one warning and the torch path's result; ``SSOGVIT_CPU_KERNEL=0`` builds nothing."""

@@ -83,6 +83,7 @@ def test_eval_scores_the_run_at_another_size_with_and_without_rescale_field(trai
     assert results[2]["loss"] != results[3]["loss"]  # the fixed field was scaled by the grid ratio, 2
 
 
+@pytest.mark.slow
 def test_a_run_resumes_from_its_epoch_end_checkpoint(trained, tmp_path):
     out = tmp_path / "longer"
     proc = cli("train", *tiny_scenes(out, "trainer.max_epochs=2", f"resume={trained / 'checkpoints' / 'last.ckpt'}"))

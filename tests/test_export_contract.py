@@ -154,10 +154,10 @@ def _cli_case(family, mixer, task, fmt, dynamo, tmp_path):
     assert parity(model, out, torch.randn(SHAPE), format=fmt) < 1e-4  # loads back and runs
 
 
-#: the CLI in a subprocess: the ViT and the segmentation model through the TorchScript-based exporters by default (the
-#: CLI's dynamic ONNX export is run by default in tests/test_timm_api.py), every other case under `slow`
+#: the CLI in a subprocess: the ViT and the segmentation model through TorchScript by default (every format's file is
+#: checked through the Python API above), every other case under `slow`
 _CLI_CASES = [pytest.param(*m, fmt, dyn, id=f"{FORMAT_IDS[fmt, dyn]}-{_model_id(*m)}",
-                           marks=[] if m in MODELS[::5] and not (fmt == "exported-program" or dyn)
+                           marks=[] if m in MODELS[::5] and fmt == "torchscript"
                            else [pytest.mark.slow])
               for m in MODELS for fmt, dyn in FORMAT_IDS]
 

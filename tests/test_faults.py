@@ -206,7 +206,8 @@ def test_export_killed_at_random_moments_never_leaves_a_torn_file(finished, tmp_
     assert torch.jit.load(str(out))(torch.randn(1, 3, 16, 16)).shape == (1, 10)
 
 
-@pytest.mark.parametrize("kills", [1, pytest.param(6, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kills", [1, 6])
 def test_transfer_killed_at_random_moments_resumes_to_the_end(finished, tmp_path, kills):
     out = tmp_path / "transfer"
     argv = ["transfer", "--ckpt", str(finished / "checkpoints" / "best.ckpt"), "--mode", "linear",
@@ -231,7 +232,8 @@ CONVERT = ["data.img_size=16", "data.batch_size=16", "data.num_workers=0", "trai
            "trainer.enable_progress_bar=false", "convert.fit_steps=5", "convert.calib_images=8"]
 
 
-@pytest.mark.parametrize("kills", [1, pytest.param(6, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kills", [1, 6])
 def test_convert_killed_at_random_moments_is_relaunched_without_deleting_anything(teacher, tmp_path, kills):
     out = tmp_path / "convert"
     argv = ["convert", "--teacher", str(teacher), "--out", str(out), *CONVERT]

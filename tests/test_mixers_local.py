@@ -343,6 +343,7 @@ def _bench(*args, tmp_path):
                           timeout=300, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_bench_operator_and_models_run_the_new_mixers_in_both_modes(tmp_path):
     import csv
 
@@ -357,6 +358,7 @@ def test_bench_operator_and_models_run_the_new_mixers_in_both_modes(tmp_path):
     assert all(r["status"] == "ok" and float(r["time_ms"]) > 0 and float(r["gflops_per_image"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_mixer_option_before_running_anything(tmp_path):
     for args in (["operator", "--mixers", "window:window_size=0"],
                  ["models", "--families", "vit", "--sizes", "tiny", "--mixers", "neighborhood", "--set",

@@ -555,7 +555,8 @@ def _steered_operands(b=2, gh=3, gw=4, h=2, r=2, dh=2, p=1, tau_shape=(), dtype=
     return [t.requires_grad_() for t in (values, mu, sigma, lam, tau)]
 
 
-@pytest.mark.parametrize("impl,chunk", [(i, c) for i in IMPLS[:-1] for c in (1, 2)])
+@pytest.mark.parametrize("impl,chunk", [pytest.param(i, c, marks=[pytest.mark.slow] if c == 1 else [])
+                                        for i in IMPLS[:-1] for c in (1, 2)])
 def test_steered_backward_is_differentiable_again(impl, chunk):
     """The steered mixing's gradients, and its second derivatives (gradient penalties: a backward that builds a
     graph is the einsum path's), checked numerically in float64 with prefix tokens and per-head temperatures."""

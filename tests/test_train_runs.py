@@ -104,7 +104,8 @@ def finished(tmp_path_factory) -> Path:
 
 
 # exact resume ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("max_kills,epochs,window", [(3, 4, 3.0), pytest.param(10, 12, 1.5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("max_kills,epochs,window", [(1, 2, 2.0), pytest.param(3, 4, 3.0, marks=pytest.mark.slow),
+                                                      pytest.param(10, 12, 1.5, marks=pytest.mark.slow)])
 def test_sigkilled_run_resumed_many_times_equals_the_uninterrupted_run(tmp_path, max_kills, epochs, window):
     """SIGKILL at random moments over several launches, then a launch that finishes: same steps, every validation
     epoch logged once, bit-identical weights to one uninterrupted launch (same machine, threads, workers)."""
@@ -355,6 +356,7 @@ def test_the_folder_is_flushed_after_the_rename(tmp_path, monkeypatch):
     assert synced == [("file", False), ("dir", True)]  # the data before the rename, the folder's entry after it
 
 
+@pytest.mark.slow
 def test_a_run_writes_group_readable_files_under_umask_002(tmp_path):
     out = tmp_path / "run"
     proc = cli("train", *tiny(out, epochs=1), preexec_fn=lambda: os.umask(0o002))
