@@ -22,6 +22,7 @@ from ssogvit.models import create_model
 from ssogvit.outputs import is_temp_name
 from ssogvit.train.run_folder import LOCK_NAME
 from ssogvit.train.io import DIGEST_KEY, content_digest, export_safetensors, load_model, read_checkpoint
+from ssogvit.train.resume import epochs_done
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -86,11 +87,12 @@ def test_a_signal_ends_a_run_in_one_line_leaving_a_checkpoint_that_resumes_it(tm
     if signum == signal.SIGINT:
         return
     # what SLURM's requeue does after its SIGTERM: the same command again (resume=auto)
-    epoch = read_checkpoint(out / "checkpoints" / "last.ckpt")["epoch"]
+    stopped = read_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert epochs_done(stopped) == stopped["epoch"] + 1  # saved at an epoch's end: `epoch` is the index
     done = subprocess.run([sys.executable, "-m", "ssogvit", "train", *tiny(out, epochs=4)], env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoints' / 'last.ckpt'} ({epoch + 1} epochs done" in done.stdout
+    assert f"resuming from {out / 'checkpoints' / 'last.ckpt'} ({epochs_done(stopped)} epochs done" in done.stdout
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
 
 

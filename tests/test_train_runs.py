@@ -159,6 +159,15 @@ def test_a_run_without_validation_claims_no_best_checkpoint(tmp_path, capsys):
     assert json.loads((out / "run.json").read_text(), parse_constant=lambda c: pytest.fail(c))["best"] is None
 
 
+def test_a_finished_runs_checkpoint_counts_its_epochs(finished):
+    """A resume from a finished 1-epoch run's last.ckpt said "2 epochs done": at the end of training the checkpoint's
+    `epoch` is the count, not the index."""
+    from ssogvit.train.resume import epochs_done
+
+    last = read_checkpoint(finished / "checkpoints" / "last.ckpt")
+    assert epochs_done(last) == last["epoch"] == 2
+
+
 def test_a_job_of_several_runs_never_writes_into_a_run_folder(finished):
     """`ssogvit main --out <a finished train run>` wrote its runs and tables inside that run: the base folder itself
     must hold no run, not only the parts the job writes."""

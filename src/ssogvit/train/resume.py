@@ -74,6 +74,14 @@ def _canonical(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
+def epochs_done(ckpt: Mapping[str, Any]) -> int:
+    """How many training epochs a Lightning checkpoint holds: its fit loop's count of processed epochs (counted before
+    the epoch-end hooks that save it; the `epoch` key is the epoch's index at an epoch's end but the count at the end
+    of training), else `epoch + 1`."""
+    progress = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("total", {})
+    return int(progress.get("processed", int(ckpt.get("epoch", -1)) + 1))
+
+
 def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint `path` as a dict if a run of `model_config` can resume from it exactly; `CheckpointError` if not.
 

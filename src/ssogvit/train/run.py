@@ -33,7 +33,7 @@ from .errors import ConfigError
 from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
 from .module import ClassificationModule
 from .segmentation import SegmentationModule
-from .resume import EpochEndCheckpoint, check_resumable, save_resumable
+from .resume import EpochEndCheckpoint, check_resumable, epochs_done, save_resumable
 from .run_folder import RunFolder, prune_logs
 
 __all__ = ["train", "build_trainer", "build_datamodule", "fit", "resolve_precision", "resolve_resume",
@@ -239,16 +239,16 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     planned = folder.decide_resume(resume_setting, config)  # refused here, nothing is written (not even the lock)
     checked = check_resumable(planned, module.hparams["model_config"]) if planned else None
     with folder.claim(resume_setting, config) as resume:
-        epoch, step = -1, 0
+        epoch, step, done = -1, 0, 0
         if resume is not None:
             ckpt = checked if resume == planned else check_resumable(resume, module.hparams["model_config"])
-            epoch, step = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0))
+            epoch, step, done = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0)), epochs_done(ckpt)
             del ckpt
         del checked
         prune_logs(output_dir, epoch=epoch, step=step)
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if verbose and resume:
-            print(f"resuming from {resume} ({epoch + 1} epochs done, step {step})")
+            print(f"resuming from {resume} ({done} epochs done, step {step})")
         summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
         folder.write_state("finished", epochs=summary["epochs"], steps=summary["steps"], best=summary["best"],
                            export=summary["export"])
