@@ -322,3 +322,18 @@ def test_ode_mha_trains_with_jasmin_as_odevit_does(tmp_path):
     with pytest.raises(ConfigError, match="loss.jasmin.k"):
         train(compose([*base, "loss.jasmin.k=1", f"output_dir={tmp_path / 'bad'}"]), verbose=False)
     assert not (tmp_path / "bad").exists()  # nothing is written before the launch is known to be valid
+
+
+def test_a_short_epoch_is_logged_once_an_epoch_and_lines_say_the_time_left():
+    """docs/training.md, "What a run prints": the small-data recipe on a few hundred images (6 batches an epoch) logs
+    every epoch instead of Lightning warning that `log_every_n_steps=10` is never reached."""
+    from ssogvit.train.progress import format_duration
+    from ssogvit.train.run import log_interval
+
+    cfg = compose(["experiment=imagefolder_small", "data.root=/nowhere"])
+    assert (log_interval(cfg, 1000), log_interval(cfg, 6), log_interval(cfg, None)) == (10, 6, 10)
+    cfg.trainer.limit_train_batches = 4
+    assert log_interval(cfg, 1000) == 4
+    cfg.trainer.limit_train_batches = 0.5
+    assert log_interval(cfg, 6) == 3
+    assert [format_duration(s) for s in (0.4, 59, 725, 11220)] == ["0 s", "59 s", "12 min 05 s", "3 h 07 min"]
