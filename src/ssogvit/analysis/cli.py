@@ -117,7 +117,9 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
         from ssogvit.models import create_model
 
         img = int(cfg["img_size"])
-        kwargs: dict[str, Any] = {"num_classes": int(cfg["num_classes"]), "in_chans": int(cfg["in_chans"]),
+        first = dict(getattr(models[0][1], "config", {})) if models else {}  # imagefolder's config: null classes
+        kwargs: dict[str, Any] = {"num_classes": int(cfg.get("num_classes") or first.get("num_classes") or 10),
+                                  "in_chans": int(cfg.get("in_chans") or first.get("in_chans") or 3),
                                   "img_size": img}
         if img < 128:
             kwargs["patch_size"] = max(1, img // 8)

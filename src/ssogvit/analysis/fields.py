@@ -144,7 +144,7 @@ def plot_query_fields(
     drawn = None
     fig, axes = plt.subplots(len(models), cols, figsize=(max(2.6 * cols, 5.5) + 1.2, 2.8 * len(models) + 0.6),
                              squeeze=False, layout="constrained")
-    shown = _display(image)
+    faint = (1.0 + _display(image)) / 3.0  # values in [1/3, 2/3]: grey or colour, at a third of the contrast
     hgt, wid = image.shape[-2:]
     summary = {}
     for row, (label, (maps, (qy, qx))) in enumerate(fields.items()):
@@ -154,15 +154,18 @@ def plot_query_fields(
         for c in range(cols):
             ax = axes[row][c]
             ax.axis("off")
-            if c >= len(picks):
+            if c >= len(picks):  # a model with fewer applications than the widest row: no empty panel
+                ax.set_visible(False)
                 continue
             field = maps[picks[c]]
             gh, gw = field.shape
             local = field[max(0, qy - 1): qy + 2, max(0, qx - 1): qx + 2].sum().item()
             summary[label]["local_3x3"].append(local)
             summary[label]["peak"].append(field.max().item())
-            ax.imshow(shown, cmap="gray", extent=(0, wid, hgt, 0), interpolation="nearest")
-            drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0),
+            # the image faint (grey, at a third of its contrast) and the field nearly opaque on top: the field is
+            # what the panel shows, the image only where it falls
+            ax.imshow(faint, cmap="gray", extent=(0, wid, hgt, 0), interpolation="nearest", vmin=0.0, vmax=1.0)
+            drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.8, extent=(0, gw * p, gh * p, 0),
                               interpolation="nearest", vmin=0.0, vmax=vmax)
             ax.add_patch(Rectangle((qx * p, qy * p), p, p, fill=False, edgecolor="cyan", lw=1.2))
             note = f"\n{UNTRAINED_NOTE}" if picks[c] in untrained.get(label, ()) else ""
