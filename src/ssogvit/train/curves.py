@@ -51,8 +51,9 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
 
     folders = {label: [f] if isinstance(f, (str, Path)) else list(f) for label, f in runs.items()}
     metrics = {label: [read_epoch_metrics(f) for f in group] for label, group in folders.items()}
+    logged = [found for group in metrics.values() for found in group]
     curves = [(key, name) for key, name in CURVES  # a metric no run logged (no validation) gets no empty panel
-              if any(any(math.isfinite(v) for v in found.get(key, {}).values()) for g in metrics.values() for found in g)]
+              if any(math.isfinite(v) for found in logged for v in found.get(key, {}).values())]
     if not curves:
         return None
     fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 3.8), constrained_layout=True, squeeze=False)

@@ -32,7 +32,8 @@ from ssogvit.outputs import HOST, atomic_write, remove_stale_temp_files, write_j
 from .errors import RunFolderError
 
 __all__ = [
-    "FolderLock", "RunFolder", "RunFolderError", "config_diff", "EXTEND_KEYS", "RESUME_WORDS", "folder_state", "fresh_folder", "prune_logs",
+    "FolderLock", "RunFolder", "RunFolderError", "config_diff", "EXTEND_KEYS", "RESUME_WORDS", "folder_state",
+    "fresh_folder", "prune_logs",
     "RUN_FILES", "IGNORED_KEYS", "LOCK_NAME", "STATE_NAME",
 ]
 
