@@ -337,3 +337,17 @@ def test_a_short_epoch_is_logged_once_an_epoch_and_lines_say_the_time_left():
     cfg.trainer.limit_train_batches = 0.5
     assert log_interval(cfg, 6) == 3
     assert [format_duration(s) for s in (0.4, 59, 725, 11220)] == ["0 s", "59 s", "12 min 05 s", "3 h 07 min"]
+
+
+def test_eval_takes_the_image_size_as_n_or_h_w_as_export_does(trained, tmp_path, capsys):
+    """One `--img-size` syntax (docs/training.md): N or H W, an override after it still an override."""
+    from ssogvit.train.cli import eval_main
+
+    out, _ = trained
+    res = tmp_path / "eval.json"
+    assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "24",
+                      "data.batch_size=8", "--json", str(res), "--device", "cpu"]) == 0
+    assert json.loads(res.read_text())["img_size"] == 24
+    capsys.readouterr()
+    assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "32"]) == 2
+    assert "eval resizes the data to square images" in capsys.readouterr().err
