@@ -81,4 +81,4 @@ print(json.dumps(out))
         status, shown = out[f"help {name}"]
         assert status in (0, None) and shown.startswith(f"usage: ssogvit {name} "), (name, status, shown)
     assert "needs the 'train' extra" in out["help train"][1] and "--ckpt" in out["help export"][1]
-    assert "{models,flops,operator,report,check}" in out["help bench"][1]  # its own help, without matplotlib
+    assert "{models,flops,operator,report,check}" in out["help bench"][1]  # its own help without matplotlib
