@@ -294,7 +294,7 @@ def _epochs_done(ckpt: dict[str, Any]) -> int:
     try:
         return int(ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
     except (KeyError, TypeError, ValueError):
-        return int(ckpt.get("epoch") or -1) + 1
+        return int(ckpt.get("epoch", -1)) + 1
 
 
 #: the folder rank 0 chose for `resume=new`, for the processes Lightning's launcher starts after it (DDP)
