@@ -75,13 +75,14 @@ class LineProgress(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._start = (time.perf_counter(), int(trainer.global_step))
+        try:
+            self._total = float(trainer.estimated_stepping_batches)  # the optimizer steps of the whole run
+        except Exception:  # noqa: BLE001 - Lightning cannot always tell (an iterable without a length)
+            self._total = math.inf
 
     def time_left(self, trainer: Any) -> str:
         """`, 3 min 10 s left` from the pace of this launch so far; empty before the first step or at the end."""
-        try:
-            total = float(trainer.estimated_stepping_batches)
-        except Exception:  # noqa: BLE001 - Lightning cannot always tell (an iterable without a length)
-            return ""
+        total = getattr(self, "_total", math.inf)
         if self._start is None or not math.isfinite(total):
             return ""
         start, first = self._start
