@@ -17,11 +17,19 @@ Kinds, and the form each runs in (docs/DEVELOPING.md, "Examples in the docs"):
 
 The default run covers every `--cfg job`, `list` and help example in this process (a few seconds); `-m slow` runs the
 rest as subprocesses.
+
+The Python code blocks of the same files (a ```` ```python ```` fence, or an indented block that starts with `import` or
+`from`) run as written, each as if in a fresh process: one child process imports torch and timm (not ssogvit) and
+forks once per block, so a block that forgets `import ssogvit` fails as it would for a user. Each block runs in a
+folder of its own where `runs/x/export/model.safetensors` is a `vit-small-ssog` export. A block that cannot run here
+says so on the line before it: `<!-- doc-example: slow (why) -->` (run with `-m slow`) or
+`<!-- doc-example: not run (why) -->`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shlex
 from pathlib import Path
@@ -62,6 +70,125 @@ def doc_examples() -> list[tuple[str, str]]:
                 found.append((f"{path.relative_to(ROOT)}:{i + 1}", text))
             i += 1
     return found
+
+
+PY_MARKER = re.compile(r"<!-- doc-example: (slow|not run) \((.+)\) -->")
+
+
+def doc_python_blocks() -> list[tuple[str, str, str | None]]:
+    """`(where, code, marker)` for each Python block of README.md and docs/*.md: a ```` ```python ```` fence, or an
+    indented block starting with `import` / `from`; `marker` is `slow`, `not run` or None (`PY_MARKER` on the
+    nearest non-blank line before the block)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        fenced = False
+        i = 0
+        while i < len(lines):
+            line, start = lines[i], i
+            if line.strip().startswith("```") and (fenced or line.strip() != "```python"):
+                fenced = not fenced  # another language's block opens, or a block closes
+                i += 1
+                continue
+            if line.strip() == "```python":
+                j = i + 1
+                while j < len(lines) and lines[j].strip() != "```":
+                    j += 1
+                code, i = "\n".join(lines[i + 1:j]), j + 1
+            elif (not fenced and re.match(r"    (import|from) ", line) and (i == 0 or not lines[i - 1].strip())):
+                j = i
+                while j < len(lines) and (lines[j].startswith("    ") or not lines[j].strip()):
+                    j += 1
+                code, i = "\n".join(x[4:] for x in lines[i:j]), j
+            else:
+                i += 1
+                continue
+            before = next((x for x in reversed(lines[:start]) if x.strip()), "")
+            mark = PY_MARKER.search(before)
+            found.append((f"{path.relative_to(ROOT)}:{start + 1}", code.strip("\n") + "\n", mark and mark.group(1)))
+    return found
+
+
+#: the child that runs the Python blocks: torch and timm imported once, one fork per block, each in its own folder
+_BLOCK_RUNNER = """
+import json, os, sys, time, traceback
+import torch, timm
+torch.set_num_threads(1)
+blocks, root = json.loads(sys.stdin.read()), sys.argv[1]
+failures, seconds = {}, {}
+for n, (where, code) in enumerate(blocks):
+    start = time.perf_counter()
+    folder = os.path.join(root, f"block{n}")
+    os.makedirs(folder)
+    os.symlink(os.path.join(root, "runs"), os.path.join(folder, "runs"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.chdir(folder)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        try:
+            exec(compile(code, where, "exec"), {"__name__": "__main__"})
+            os._exit(0)
+        except BaseException:
+            os.write(write, traceback.format_exc()[-3000:].encode())
+            os._exit(1)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        error = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failures[where] = error or f"exit status {status}"
+    seconds[where] = round(time.perf_counter() - start, 1)
+print(json.dumps(seconds), file=sys.stderr)
+print(json.dumps(failures))
+"""
+
+
+def _run_python_blocks(blocks: list[tuple[str, str]], tmp_path) -> dict[str, str]:
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from ssogvit.models import create_model
+    from ssogvit.train.io import export_safetensors
+
+    (tmp_path / "runs").mkdir()
+    if any("runs/x/" in code for _, code in blocks):
+        torch.manual_seed(0)
+        export_safetensors(create_model("vit-small-ssog"), tmp_path / "runs" / "x" / "export" / "model.safetensors")
+    done = subprocess.run([sys.executable, "-c", _BLOCK_RUNNER, str(tmp_path)], input=json.dumps(blocks),
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("seconds per block:", done.stderr.strip().splitlines()[-1])  # shown with -s, or when a block fails
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+PY_BLOCKS = doc_python_blocks()
+#: the blocks of the default run (about 15 s: each builds a ViT-S); the others with `-m slow`
+DEFAULT_PY_FILES = ("README.md:", "docs/dense.md:")
+
+
+def _failures_text(failures: dict[str, str]) -> str:
+    return "\n\n".join(f"{where}:\n{error}" for where, error in failures.items())
+
+
+def test_the_python_blocks_of_the_readme_and_dense_docs_run_as_written_in_a_fresh_process(tmp_path):
+    blocks = [(where, code) for where, code, mark in PY_BLOCKS if mark is None and where.startswith(DEFAULT_PY_FILES)]
+    assert len(blocks) >= 3 and len(PY_BLOCKS) >= 10
+    failures = _run_python_blocks(blocks, tmp_path)
+    assert not failures, _failures_text(failures)
+
+
+@pytest.mark.slow
+def test_the_other_python_blocks_of_the_docs_run_as_written(tmp_path):
+    blocks = [(where, code) for where, code, mark in PY_BLOCKS
+              if mark == "slow" or (mark is None and not where.startswith(DEFAULT_PY_FILES))]
+    failures = _run_python_blocks(blocks, tmp_path)
+    assert not failures, _failures_text(failures)
 
 
 def help_fragments() -> list[str]:

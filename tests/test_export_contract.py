@@ -177,3 +177,15 @@ def test_export_cli_fails_when_the_file_takes_a_shape_the_model_refuses(tmp_path
     assert "was not written" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.safetensors"]  # no file, no temporary
 
+
+
+def test_export_takes_the_image_size_as_n_or_h_w_as_eval_does(tmp_path, capsys):
+    ckpt = export_safetensors(_model("vit", "ssog", None), tmp_path / "model.safetensors")
+    args = ["--ckpt", str(ckpt), "--format", "torchscript", "--static", "--batch", "1"]
+    assert ssogvit.export.main([*args, "--img-size", "24"]) == 0
+    assert "(1, 3, 24, 24)" in capsys.readouterr().out
+    assert ssogvit.export.main([*args, "--img-size", "24", "32", "--overwrite"]) == 0
+    assert "(1, 3, 24, 32)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ssogvit.export.main([*args, "--img-size", "24", "32", "40"])
+    assert "unrecognized arguments: 40" in capsys.readouterr().err

@@ -53,6 +53,15 @@ for argv in (["export", "--ckpt", str(ckpt), "--format", "torchscript"],
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         status = main(argv)
     out[" ".join(argv[:1] + argv[-1:])] = [status, err.getvalue()]
+from ssogvit.cli import COMMANDS
+for name in COMMANDS:  # help was asked: given without the extra (the command's own, or what to install)
+    shown = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(shown):
+            status = main([name, "--help"])
+    except SystemExit as stop:
+        status = stop.code
+    out["help " + name] = [status, shown.getvalue()]
 print(json.dumps(out))
 """
     done = _python(code)
@@ -68,3 +77,8 @@ print(json.dumps(out))
         assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (key, err)
         assert err.startswith(f"ssogvit {command}: {what} needs the '{extra}' extra ("), (key, err)
         assert err.rstrip().endswith(f"pip install 'ssogvit[{extra}]'"), (key, err)
+    for name in ("main", "train", "eval", "transfer", "convert", "list", "report", "bench", "export", "analyze"):
+        status, shown = out[f"help {name}"]
+        assert status in (0, None) and shown.startswith(f"usage: ssogvit {name} "), (name, status, shown)
+    assert "needs the 'train' extra" in out["help train"][1] and "--ckpt" in out["help export"][1]
+    assert "{models,flops,operator,report,check}" in out["help bench"][1]  # its own help without matplotlib

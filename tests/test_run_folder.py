@@ -73,3 +73,30 @@ def test_a_stale_temporary_file_of_a_dead_writer_goes_when_a_run_begins(tmp_path
     with run.lock():
         run.begin(lambda tmp: tmp.write_text("a: 1\n"))
     assert not stale.exists() and user.read_bytes() == b"the user's"
+
+
+def test_a_finished_run_is_extended_only_when_asked_and_only_longer(tmp_path):
+    """`resume=extend` (docs/training.md): a finished run trains on from its last.ckpt when only how long it trains
+    grows; anything else, or a folder without a run, is refused in one line naming what to give."""
+    folder = tmp_path / "run"
+    run = RunFolder(folder, command="train")
+    saved = {"a": 1, "trainer": {"max_epochs": 2, "max_steps": -1}}
+    with pytest.raises(FolderError, match="holds no run to extend"):
+        run.decide_resume("extend", saved)
+    with run.lock():
+        run.begin(lambda tmp: tmp.write_text("a: 1\ntrainer: {max_epochs: 2, max_steps: -1}\n"))
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    run.write_state("finished")
+    longer = {"a": 1, "trainer": {"max_epochs": 5, "max_steps": -1}}
+    with pytest.raises(FolderError, match="holds a finished run; .*resume=extend .*resume=new"):
+        run.decide_resume("auto", longer)  # never trained on unasked
+    assert run.decide_resume("extend", longer) == str(folder / "checkpoints" / "last.ckpt")
+    with pytest.raises(FolderError, match="give a trainer.max_epochs above its 2"):
+        run.decide_resume("extend", saved)
+    with pytest.raises(FolderError, match=r"holds a different run \(a: saved 1, now 2\)"):
+        run.decide_resume("extend", {**longer, "a": 2})
+    with pytest.raises(FolderError, match="resume=extend is for the runs of `ssogvit train`"):
+        RunFolder(folder, command="convert").decide_resume("extend", longer)
+    (folder / "run.json").write_text(json.dumps({"status": "running", "command": "train"}))  # an extension killed
+    assert run.decide_resume("extend", longer) == str(folder / "checkpoints" / "last.ckpt")

@@ -322,3 +322,32 @@ def test_ode_mha_trains_with_jasmin_as_odevit_does(tmp_path):
     with pytest.raises(ConfigError, match="loss.jasmin.k"):
         train(compose([*base, "loss.jasmin.k=1", f"output_dir={tmp_path / 'bad'}"]), verbose=False)
     assert not (tmp_path / "bad").exists()  # nothing is written before the launch is known to be valid
+
+
+def test_a_short_epoch_is_logged_once_an_epoch_and_lines_say_the_time_left():
+    """docs/training.md, "What a run prints": the small-data recipe on a few hundred images (6 batches an epoch) logs
+    every epoch instead of Lightning warning that `log_every_n_steps=10` is never reached."""
+    from ssogvit.train.progress import format_duration
+    from ssogvit.train.run import log_interval
+
+    cfg = compose(["experiment=imagefolder_small", "data.root=/nowhere"])
+    assert (log_interval(cfg, 1000), log_interval(cfg, 6), log_interval(cfg, None)) == (10, 6, 10)
+    cfg.trainer.limit_train_batches = 4
+    assert log_interval(cfg, 1000) == 4
+    cfg.trainer.limit_train_batches = 0.5
+    assert log_interval(cfg, 6) == 3
+    assert [format_duration(s) for s in (0.4, 59, 725, 11220)] == ["0 s", "59 s", "12 min 05 s", "3 h 07 min"]
+
+
+def test_eval_takes_the_image_size_as_n_or_h_w_as_export_does(trained, tmp_path, capsys):
+    """One `--img-size` syntax (docs/training.md): N or H W, an override after it still an override."""
+    from ssogvit.train.cli import eval_main
+
+    out, _ = trained
+    res = tmp_path / "eval.json"
+    assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "24",
+                      "data.batch_size=8", "--json", str(res), "--device", "cpu"]) == 0
+    assert json.loads(res.read_text())["img_size"] == 24
+    capsys.readouterr()
+    assert eval_main(["--ckpt", str(out / "export" / "model.safetensors"), "--img-size", "24", "32"]) == 2
+    assert "eval resizes the data to square images" in capsys.readouterr().err

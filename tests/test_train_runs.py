@@ -223,6 +223,32 @@ def test_a_finished_run_is_never_overwritten(finished, tmp_path):
     assert digest(finished) == before
 
 
+def test_a_finished_run_is_extended_or_tried_again_in_one_command(tmp_path, capsys):
+    """docs/training.md: `resume=extend trainer.max_epochs=N` trains a finished run on in its folder; `resume=new`
+    starts a new try beside it (`<folder>-2`) without touching it. The console of the run (lines mode) shows each of
+    Lightning's lines once and the time left."""
+    out = tmp_path / "run"
+    assert cli_main(["train", *tiny(out, epochs=1)]) == 0
+    proc = cli("train", *tiny(out, "resume=extend", "trainer.enable_progress_bar=true", "progress.mode=lines",
+                              epochs=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["epochs"], val_epochs(out)) == ("finished", 3, [0, 1, 2])
+    console = proc.stdout + proc.stderr
+    assert console.count("GPU available") == 1 and console.count("Total params") == 1, console  # each line once
+    assert "(1 epochs done, step 4)" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in lines] == ["2/3", "3/3"] and lines[0].endswith(" left)"), lines
+    before = digest(out)
+    capsys.readouterr()
+    assert cli_main(["train", *tiny(out, "resume=new", epochs=1)]) == 0
+    assert f"this new try writes to {out}-2" in capsys.readouterr().out
+    assert digest(out) == before and folder_state(tmp_path / "run-2") == "finished"
+    assert cli_main(["train", *tiny(out, "resume=extend", epochs=3)]) == 2  # not longer than it is: refused
+    assert_clear_error(2, capsys.readouterr().err, "trainer.max_epochs above its 3")
+    assert digest(out) == before
+
+
 def test_a_failed_launch_writes_nothing(finished, tmp_path, capsys):
     """The issue's case: a launch that cannot run (here a different image size into an unfinished run) fails before it
     writes anything, so `ssogvit eval` on the run still reports the run's own accuracy."""

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 
 from ssogvit.errors import DEBUG_ENV, Interrupted, debug_enabled, format_error, user_errors
-from ssogvit.extras import require_extra
+from ssogvit.extras import missing, require_extra
 
 # command -> (module, function, extra it needs beyond the core (ssogvit.extras), one-line help). Modules are imported
 # only when their command runs, after its extra is found installed.
@@ -63,6 +63,20 @@ def _version() -> str:
     except PackageNotFoundError:
         installed = __version__
     return f"ssogvit {__version__}" + (f" (installed metadata says {installed})" if installed != __version__ else "")
+
+
+def _help_without_extra(name: str, rest: list[str]) -> int:
+    """``ssogvit <command> --help`` where the command's extra is missing: its own help where the command can give it
+    without the extra, else its description and the extra to install (exit status 0 either way: help was asked)."""
+    module, func, extra, help_ = COMMANDS[name]
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except ImportError:  # the command's help itself needs the extra (Hydra builds `train --help`)
+        pass
+    print(f"usage: ssogvit {name} [options]\n\n{help_}\n\nThis command needs the '{extra}' extra "
+          f"({', '.join(missing(extra))} not installed): pip install 'ssogvit[{extra}]'; its full --help comes with "
+          "it.")
+    return 0
 
 
 def _end_quietly_on_closed_pipe() -> int:
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     module, func, extra, _ = COMMANDS[name]
     try:
         with _signals_interrupt():
+            if extra and missing(extra) and any(a in ("-h", "--help") for a in rest):
+                return _help_without_extra(name, rest)
             if extra:
                 require_extra(extra, "this command")
             result = getattr(importlib.import_module(module), func)(rest)

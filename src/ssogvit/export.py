@@ -35,7 +35,7 @@ from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_err
 from ssogvit.extras import require_extra
 from ssogvit.documents import input_file
 from ssogvit.resources import check_memory
-from ssogvit.specs import IMG_SIZE, Float, Int
+from ssogvit.specs import Float, Int, add_img_size_option
 from ssogvit.outputs import OVERWRITE_FLAG, OutputError, atomic_write, check_output_file
 
 __all__ = ["DYNAMIC", "FORMATS", "dynamic_dims", "export_model", "load_exported", "parity", "refusal", "refused_shapes",
@@ -276,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", help="file to write (default: beside the checkpoint, with the format's suffix)")
     parser.add_argument("--batch", type=BATCH.argparse, default=2, help="batch of the traced example (default 2)")
-    parser.add_argument("--img-size", type=IMG_SIZE.argparse, nargs=2, metavar=("H", "W"), default=None,
-                        help="image size of the traced example (default: the model's img_size)")
+    add_img_size_option(parser, "image size of the traced example (default: the model's img_size)")
     parser.add_argument("--static", action="store_true",
                         help="no dynamic dimensions: the file is for the traced shape (default: any batch and, "
                              "where the format allows, any image size)")
@@ -287,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest accepted max abs difference")
     parser.add_argument(OVERWRITE_FLAG, action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
+    if args.img_size_rest:
+        parser.error(f"unrecognized arguments: {' '.join(args.img_size_rest)}")
     return report_errors("ssogvit export", lambda: _export(args))
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ssogvit.outputs import atomic_write, write_text
 
-__all__ = ["fmt", "jsonable", "markdown_table", "pyplot", "save_figure", "write_markdown"]
+__all__ = ["fmt", "figure_problems", "jsonable", "markdown_table", "pyplot", "save_figure", "write_markdown"]
 
 
 def jsonable(v: Any) -> Any:
@@ -62,6 +62,29 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def figure_problems(fig: Any) -> list[str]:
+    """What a reader would not accept in ``fig``, one line each (empty: none): a visible axes with nothing drawn in it
+    (no line, patch, image or collection: a panel explained away in a footnote instead of left out), and a title (an
+    axes' or the figure's) that reaches outside the figure, as drawn with its layout (cut off in the saved file)."""
+    fig.canvas.draw()  # applies tight / constrained layout, as savefig does
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    problems = []
+    for i, ax in enumerate(fig.axes):
+        if ax.get_visible() and not ax.has_data() and ax.get_label() != "<colorbar>":
+            problems.append(f"axes {i} ({ax.get_title() or 'untitled'!r}) is empty")
+    titles = [t for ax in fig.axes if ax.get_visible() for t in (ax.title, ax._left_title, ax._right_title)]
+    titles += [fig._suptitle] if fig._suptitle is not None else []
+    for text in titles:
+        if not text.get_text() or not text.get_visible():
+            continue
+        ext = text.get_window_extent(renderer)
+        if ext.x0 < box.x0 - 1 or ext.x1 > box.x1 + 1 or ext.y0 < box.y0 - 1 or ext.y1 > box.y1 + 1:
+            problems.append(f"title {text.get_text()[:60]!r} is clipped: it spans x {ext.x0:.0f}..{ext.x1:.0f}, "
+                            f"y {ext.y0:.0f}..{ext.y1:.0f} of a {box.width:.0f}x{box.height:.0f} figure")
+    return problems
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:

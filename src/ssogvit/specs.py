@@ -44,7 +44,7 @@ from ssogvit.errors import InputError, refused
 __all__ = [
     "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Items", "Ints", "checked", "check_args",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
-    "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE",
+    "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE", "add_img_size_option",
 ]
 
 
@@ -346,6 +346,34 @@ def check_args(specs: Mapping[str, Spec], values: Mapping[str, Any]) -> dict[str
 
 #: image side in pixels (`create_model(img_size=)`, `ssogvit eval --img-size`, `data.img_size`)
 IMG_SIZE = Int(1, 16384)
+
+
+class _ImageSize(argparse.Action):
+    """``--img-size N`` or ``--img-size H W`` as ``(H, W)``. argparse hands an option of one or more values every word
+    up to the next option, so a command's overrides after it (``data.root=...``) arrive here too: they are handed back
+    in ``img_size_rest`` (the words after the size's one or two)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        words = list(values)
+        size = [words.pop(0)] + ([words.pop(0)] if words and "=" not in words[0] else [])
+        try:
+            sides = [IMG_SIZE.parse(w, option_string) for w in size]
+        except InputError:
+            parser.error(f"argument {option_string}: expected N or H W, each {IMG_SIZE.expected()}, got "
+                         f"{' '.join(size)!r}")
+        setattr(namespace, self.dest, (sides[0], sides[-1]))
+        namespace.img_size_rest = getattr(namespace, "img_size_rest", []) + words
+
+
+def add_img_size_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--img-size N`` (a square) or ``--img-size H W``: the one spelling of every command that takes an image size
+    (``eval``, ``export``). The parsed value is ``(H, W)``; words argparse gave it that are not part of it are in
+    ``img_size_rest`` (a command's overrides)."""
+    parser.add_argument("--img-size", nargs="+", action=_ImageSize, metavar="N", default=None,
+                        help=f"{help}: N for N x N, or H W")
+    parser.set_defaults(img_size_rest=[])
+
+
 #: square patch side in pixels
 PATCH_SIZE = Int(1, 1024)
 #: images per batch

@@ -36,9 +36,12 @@ def mixer_rows(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def untrained_field_mixers(model: nn.Module) -> set[int]:
     """Indices (in `model.mixers()`) of SSoG mixers whose field no loss on the logits can train: in a discrete model
     with a class-token head, the last block's (its patch outputs are never read; docs/models.md, "A structural fact of
-    SSoG with a class-token head"). Empty for looped and ODE models and for `global_pool="avg"`."""
+    SSoG with a class-token head"). Empty for looped and ODE models, for `global_pool="avg"` and for the encoder of a
+    segmentation model (`segmentation` set by `ssogvit analyze`: its pyramid reads the last block's patches,
+    docs/dense.md)."""
     mixers = list(model.mixers())
-    if getattr(model, "family", "vit") != "vit" or getattr(model, "global_pool", "token") != "token" or not mixers:
+    if (getattr(model, "family", "vit") != "vit" or getattr(model, "global_pool", "token") != "token" or not mixers
+            or getattr(model, "segmentation", False)):
         return set()
     return {len(mixers) - 1} if is_ssog(mixers[-1]) else set()
 

@@ -50,19 +50,19 @@ def atoms_report(model: nn.Module) -> dict:
 
 def plot_atoms(reports: dict[str, dict], path) -> object:
     """Heat map of effective atoms, one panel per model: rows are mixers, columns heads (1 = one atom, R = all); one
-    colour scale for all panels, spanning the values drawn, and each value printed in its cell."""
+    colour scale for all panels, the quantity's whole range 1 to R, and each value printed in its cell."""
     reports = {k: r for k, r in reports.items() if r["layers"]}
     if not reports:
         return None
     plt = results.pyplot()
     fig, axes = plt.subplots(1, len(reports), figsize=(4.4 * len(reports) + 0.8, 0.35 * max(
         len(r["layers"]) for r in reports.values()) + 1.6), squeeze=False, layout="constrained")
-    # one colour scale for every panel, spanning the values drawn (a 1..R scale shows 3.96..4.00 as one colour); the
-    # colour bar says which range that is
-    values = [v for rep in reports.values() for row in rep["layers"] for v in row["per_head"]]
-    low, high = min(values), max(values)
-    if high - low < 1e-3:
-        low, high = low - 5e-4, high + 5e-4
+    # one colour scale for every panel: the quantity's whole range, 1 (one atom) to R (every atom equally). A scale
+    # stretched over the values drawn (3.93 to 4.00) paints near-equal mixtures as opposites; each cell prints its
+    # value for the differences the colours do not show
+    low, high = 1.0, float(max(r["num_atoms"] for r in reports.values()))
+    if high <= low:
+        high = low + 1.0  # R = 1: every head has its one atom
     for ax, (label, rep) in zip(axes[0], reports.items()):
         grid = [row["per_head"] for row in rep["layers"]]
         im = ax.imshow(grid, vmin=low, vmax=high, cmap="viridis", aspect="auto")
@@ -75,7 +75,7 @@ def plot_atoms(reports: dict[str, dict], path) -> object:
         ax.set_xticks(range(len(grid[0])), [f"h{h}" for h in range(len(grid[0]))], fontsize=7)
         ax.set_title(f"{label}: mean {rep['mean']:.2f} of R={rep['num_atoms']}", fontsize=8)
     bar = fig.colorbar(im, ax=list(axes[0]), fraction=0.03, pad=0.02)
-    bar.set_label(f"effective atoms (1 to R; one scale, {low:.2f} to {high:.2f})", fontsize=7)
+    bar.set_label(f"effective atoms: 1 (one atom) to R = {high:g} (all equally)", fontsize=7)
     bar.ax.tick_params(labelsize=7)
     fig.suptitle("effective atoms exp(H(λ)) per head", fontsize=9)
     return results.save_figure(fig, path)

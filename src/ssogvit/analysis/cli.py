@@ -112,12 +112,17 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
             model = load_model(path)
             parts = Path(path).resolve().parts
             run = parts[-3] if len(parts) >= 3 and parts[-2] in ("export", "checkpoints") else Path(path).stem
+            if getattr(model, "backbone", None) is not None:  # a segmentation model (docs/dense.md): its encoder
+                model = model.backbone.eval()
+                model.segmentation = True
             models.append((run, model))
     if args.model:
         from ssogvit.models import create_model
 
         img = int(cfg["img_size"])
-        kwargs: dict[str, Any] = {"num_classes": int(cfg["num_classes"]), "in_chans": int(cfg["in_chans"]),
+        first = dict(getattr(models[0][1], "config", {})) if models else {}  # imagefolder's config: null classes
+        kwargs: dict[str, Any] = {"num_classes": int(cfg.get("num_classes") or first.get("num_classes") or 10),
+                                  "in_chans": int(cfg.get("in_chans") or first.get("in_chans") or 3),
                                   "img_size": img}
         if img < 128:
             kwargs["patch_size"] = max(1, img // 8)
@@ -240,6 +245,17 @@ def run_steering(models, cfg, args, out: Path) -> dict:
 
 
 def run_transfer(models, cfg, args, out: Path) -> dict:
+    dense = [label for label, m in models.items() if getattr(m, "segmentation", False)]
+    if dense and args.what == "transfer":
+        raise UsageError(f"transfer measures a classifier's top-1; {', '.join(dense)} segment(s): `ssogvit eval "
+                         "--ckpt ... --img-size N` gives a segmentation model's mIoU at another size")
+    for label in dense:
+        print(f"transfer  {label}: skipped (a segmentation model: `ssogvit eval --img-size N` gives its mIoU at "
+              "another size)")
+    models = {label: m for label, m in models.items() if label not in dense}
+    if not models:
+        return {"tables": {}, "files": {}}
+
     def images_at(size: int):
         return _data.validation_set(cfg, img_size=size, limit=args.transfer_images)
 
@@ -286,8 +302,10 @@ def run_fields(models, cfg, args, out: Path) -> dict:
     pngs.append(path)
     rows = [(label, a, local, peak) for label, s in summary.items()
             for a, local, peak in zip(s["applications"], s["local_3x3"], s["peak"])]
+    target = labels[args.image_index]
+    shown = f"label {int(target)}" if target.dim() == 0 else "a segmentation scene"
     md = (f"## Attention field of query cell {next(iter(summary.values()))['query']} on validation image "
-          f"{args.image_index} (label {int(labels[args.image_index])})\n\n"
+          f"{args.image_index} ({shown})\n\n"
           + markdown_table(["model", "application", "mass in 3x3 around query", "peak weight"], rows))
     files = _write(out, "fields", {"query": summary, "atom_pictures": [str(p) for p in pngs[:-1]]}, md, None)
     files["png"] = [str(p) for p in pngs]

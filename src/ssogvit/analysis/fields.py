@@ -144,7 +144,7 @@ def plot_query_fields(
     drawn = None
     fig, axes = plt.subplots(len(models), cols, figsize=(max(2.6 * cols, 5.5) + 1.2, 2.8 * len(models) + 0.6),
                              squeeze=False, layout="constrained")
-    shown = _display(image)
+    dimmed = 0.1 + 0.6 * _display(image)  # grey or colour, in [0.1, 0.7]
     hgt, wid = image.shape[-2:]
     summary = {}
     for row, (label, (maps, (qy, qx))) in enumerate(fields.items()):
@@ -154,15 +154,19 @@ def plot_query_fields(
         for c in range(cols):
             ax = axes[row][c]
             ax.axis("off")
-            if c >= len(picks):
+            if c >= len(picks):  # a model with fewer applications than the widest row: no empty panel
+                ax.set_visible(False)
                 continue
             field = maps[picks[c]]
             gh, gw = field.shape
             local = field[max(0, qy - 1): qy + 2, max(0, qx - 1): qx + 2].sum().item()
             summary[label]["local_3x3"].append(local)
             summary[label]["peak"].append(field.max().item())
-            ax.imshow(shown, cmap="gray", extent=(0, wid, hgt, 0), interpolation="nearest")
-            drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.6, extent=(0, gw * p, gh * p, 0),
+            # the field on top of a dimmed image, the more opaque the more weight a cell has: the field is what
+            # the panel shows, the image shows through where the query does not look
+            ax.imshow(dimmed, cmap="gray", extent=(0, wid, hgt, 0), interpolation="nearest", vmin=0.0, vmax=1.0)
+            weight = (field / max(vmax, 1e-12)).clamp(0, 1).numpy()
+            drawn = ax.imshow(field.numpy(), cmap="inferno", alpha=0.35 + 0.6 * weight, extent=(0, gw * p, gh * p, 0),
                               interpolation="nearest", vmin=0.0, vmax=vmax)
             ax.add_patch(Rectangle((qx * p, qy * p), p, p, fill=False, edgecolor="cyan", lw=1.2))
             note = f"\n{UNTRAINED_NOTE}" if picks[c] in untrained.get(label, ()) else ""

@@ -185,37 +185,38 @@ def plot_sinks(summaries: dict[str, dict], path) -> object:
     """Sink score, same-key share and CLS mass per mixer application, one line per model.
 
     A metric that a model's architecture fixes (`by_construction` of `sink_report`: SSoG's CLS mass 0, fixed SSoG's
-    same-key share 1) is not drawn for it: the panel says so in the model's colour. Models that coincide otherwise
-    stay visible: the first model is a thick, light line with small filled markers and each later one a thin line
-    with larger hollow markers drawn on top.
+    same-key share 1) is not drawn for it, and a panel no model is measured on is left out: the figure's caption says
+    which constants are not drawn and why. Models that coincide otherwise stay visible: the first model is a thick,
+    light line with small filled markers and each later one a thin line with larger hollow markers drawn on top.
     """
+    from matplotlib.ticker import MaxNLocator
+
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0))
+    metrics = (("sink_per_layer", "sink score (1 = no sink)"), ("same_key_per_layer", "same-key share"),
+               ("cls_mass_per_layer", "CLS mass from patch queries"))
+    fixed = {key: [(k, label, s["by_construction"][key]) for k, (label, s) in enumerate(summaries.items())
+                   if s.get("by_construction", {}).get(key)] for key, _ in metrics}
+    panels = [(key, title) for key, title in metrics if len(fixed[key]) < len(summaries)]  # drawn for some model
+    notes = [f"{title}: {label} {why}" for key, title in metrics for _, label, why in fixed[key]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels) + 0.4, 4.0 + 0.22 * len(notes)),
+                             squeeze=False, layout="constrained")
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1, 1, 1)))]
-    notes: dict = {}  # panel -> [(colour, text)] for the metrics constant by construction
     for k, (label, s) in enumerate(summaries.items()):
         marker, line = styles[k % len(styles)]
         look = (dict(lw=4.0, alpha=0.45, ms=4) if k == 0 else
                 dict(lw=1.4, ms=6 + 2 * k, mfc="none", mew=1.4))
-        for ax, key in zip(axes, ("sink_per_layer", "same_key_per_layer", "cls_mass_per_layer")):
-            why = s.get("by_construction", {}).get(key)
-            if why:  # a constant the architecture fixes is stated on the panel, not drawn as if it were measured
-                notes.setdefault(ax, []).append((f"C{k}", f"{label}: {why}"))
+        for ax, (key, _) in zip(axes[0], panels):
+            if s.get("by_construction", {}).get(key):  # a constant the architecture fixes is not a measurement
                 continue
             ax.plot(range(len(s[key])), s[key], marker=marker, ls=line, color=f"C{k}", zorder=2 + k, label=label,
                     **look)
-    axes[0].axhline(1.0, color="0.6", lw=0.8, ls="--")
-    for ax, title in zip(axes, ("sink score (1 = no sink)", "same-key share", "CLS mass from patch queries")):
+    for ax, (key, title) in zip(axes[0], panels):
+        if key == "sink_per_layer":
+            ax.axhline(1.0, color="0.6", lw=0.8, ls="--")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("mixer application")
-        for i, (color, text) in enumerate(notes.get(ax, [])):  # below the panel, clear of its lines
-            ax.text(0.0, -0.24 - 0.075 * i, text, transform=ax.transAxes, fontsize=6.5, color=color, va="top",
-                    wrap=True)
-        if ax.get_lines():
-            ax.legend(fontsize=7)
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
+        ax.legend(fontsize=7)
+    if notes:  # the constants, once, under the panels (as a caption, not in place of a panel)
+        fig.supxlabel("not drawn, fixed by the architecture:\n" + "\n".join(notes), fontsize=7)
     return results.save_figure(fig, path)

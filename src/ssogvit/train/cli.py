@@ -12,7 +12,7 @@ import yaml
 from ssogvit.errors import ArgumentParser, report_errors
 from ssogvit.documents import read_document
 from ssogvit.resources import check_device, check_memory
-from ssogvit.specs import IMG_SIZE, PATCH_SIZE, Int
+from ssogvit.specs import PATCH_SIZE, Int, add_img_size_option
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
@@ -154,10 +154,10 @@ def evaluate(model: Any, dm: Any, *, device: str = "cpu", progress: str = "auto"
 
 
 def eval_main(argv: list[str]) -> int:
-    """`ssogvit eval --ckpt PATH [--img-size N] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
+    """`ssogvit eval --ckpt PATH [--img-size N | H W] [--patch-size P] [--rescale-field] [--ema] [overrides...]`"""
     parser = _checkpoint_parser("eval")
-    parser.add_argument("--img-size", type=IMG_SIZE.argparse, default=None,
-                        help="evaluate at this image size (dynamic resolution)")
+    add_img_size_option(parser, "evaluate at this image size (dynamic resolution; the data's images are square, so "
+                                "H W with H = W)")
     parser.add_argument("--patch-size", type=PATCH_SIZE.argparse, default=None,
                         help="convert the model to this patch size first")
     parser.add_argument("--rescale-field", action="store_true",
@@ -170,7 +170,7 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                         help="auto: a bar on a terminal, plain lines otherwise (default)")
     args, overrides = parser.parse_known_args(argv)
-    return report_errors("ssogvit eval", lambda: _eval(args, overrides))
+    return report_errors("ssogvit eval", lambda: _eval(args, [*args.img_size_rest, *overrides]))
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -181,6 +181,11 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if other:
         raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "
                           f"(data.root=... data.batch_size=...)")
+    pair = args.img_size
+    if pair is not None and pair[0] != pair[1]:
+        raise ConfigError(f"--img-size {pair[0]} {pair[1]}: eval resizes the data to square images; give N, or H W "
+                          f"with H = W (`ssogvit export` traces any H W)")
+    args.img_size = pair[0] if pair else None
     if args.rescale_field and not (args.img_size or args.patch_size):
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
     check_device(args.device, "--device")

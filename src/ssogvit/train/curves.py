@@ -31,7 +31,7 @@ def read_epoch_metrics(run_dir: str | Path) -> dict[str, dict[int, float]]:
 
 def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], path: str | Path, *,
                          title: str | None = None, overwrite: bool = False) -> Path | None:
-    """One PNG with a panel per `CURVES` metric and a line per label, epochs from 1.
+    """One PNG with a panel per `CURVES` metric that some run logged and a line per label, epochs from 1.
 
     Args:
         runs: label -> a run folder, or several (seeds of one configuration): then the line is their mean at each
@@ -41,7 +41,7 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
         overwrite: replace `path` if it exists (otherwise an existing file is refused, `ssogvit.outputs`).
 
     Returns:
-        The path, or None when no run has a CSV log to draw from (e.g. `logger=[]`).
+        The path, or None when no run has a CSV log with these metrics to draw from (e.g. `logger=[]`).
     """
     import matplotlib
 
@@ -51,10 +51,14 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
 
     folders = {label: [f] if isinstance(f, (str, Path)) else list(f) for label, f in runs.items()}
     metrics = {label: [read_epoch_metrics(f) for f in group] for label, group in folders.items()}
-    if not any(any(found) for found in metrics.values()):
+    logged = [found for group in metrics.values() for found in group]
+    curves = [(key, name) for key, name in CURVES  # a metric no run logged (no validation) gets no empty panel
+              if any(math.isfinite(v) for found in logged for v in found.get(key, {}).values())]
+    if not curves:
         return None
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.6 * len(CURVES), 3.8), constrained_layout=True)
-    for ax, (key, name) in zip(axes, CURVES):
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 3.8), constrained_layout=True, squeeze=False)
+    axes = axes[0]
+    for ax, (key, name) in zip(axes, curves):
         for label, group in metrics.items():
             series = [{e: v for e, v in found.get(key, {}).items() if math.isfinite(v)} for found in group]
             epochs = sorted(set.intersection(*(set(s) for s in series))) if series else []

@@ -2,7 +2,8 @@
 
 A progress bar redraws itself with `\\r` frames; written to a file every frame stays (hundreds of bytes a step). So
 `progress.mode: auto` (the default, `ssogvit/conf/config.yaml`) draws the bar only when stdout is a terminal and
-otherwise prints one line per epoch with the epoch's metrics (`progress.every_n_steps`: also every N steps).
+otherwise prints one line per epoch with the epoch's metrics (`progress.every_n_steps`: also every N steps) and the
+time the run has left, as the bar shows it (docs/training.md, "What a run prints").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["MODES", "resolve_mode", "LineProgress", "format_metrics", "lines_every"]
+__all__ = ["MODES", "resolve_mode", "LineProgress", "format_metrics", "format_duration", "lines_every"]
 
 MODES = ("auto", "bar", "lines", "none")
 
@@ -42,6 +43,16 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def format_duration(seconds: float) -> str:
+    """`45 s`, `12 min 05 s`, `3 h 07 min`: a duration as a person reads it."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
 def lines_every(total: int) -> int:
     """How many of `total` items between two progress lines: about ten lines in all."""
     return max(1, math.ceil(total / 10))
@@ -50,7 +61,9 @@ def lines_every(total: int) -> int:
 class LineProgress(Callback):
     """One line per training epoch with its metrics (and one every `every_n_steps` steps); never a `\\r` frame.
 
-    Printed by rank 0 only, flushed at once so that a cluster log shows it while the run goes on.
+    Each line ends with the time the run has left: the wall time per optimizer step of this launch so far (validation
+    included) times the steps still to go (`trainer.estimated_stepping_batches`). Printed by rank 0 only, flushed at
+    once so that a cluster log shows it while the run goes on.
     """
 
     def __init__(self, *, every_n_steps: int = 0):
@@ -58,6 +71,25 @@ class LineProgress(Callback):
         self._epoch_start = time.perf_counter()
         self._last_step = -1  # with gradient accumulation several batches end on one optimizer step
         self._validated = False  # whether this epoch ran a validation (check_val_every_n_epoch)
+        self._start: tuple[float, int] | None = None  # (time, step) when this launch began training
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start = (time.perf_counter(), int(trainer.global_step))
+        try:
+            self._total = float(trainer.estimated_stepping_batches)  # the optimizer steps of the whole run
+        except Exception:  # noqa: BLE001 - Lightning cannot always tell (an iterable without a length)
+            self._total = math.inf
+
+    def time_left(self, trainer: Any) -> str:
+        """`, 3 min 10 s left` from the pace of this launch so far; empty before the first step or at the end."""
+        total = getattr(self, "_total", math.inf)
+        if self._start is None or not math.isfinite(total):
+            return ""
+        start, first = self._start
+        done, step = trainer.global_step - first, trainer.global_step
+        if done <= 0 or step >= total:
+            return ""
+        return f", {format_duration((time.perf_counter() - start) / done * (total - step))} left"
 
     def _print(self, trainer: Any, text: str) -> None:
         if trainer.is_global_zero:
@@ -81,7 +113,8 @@ class LineProgress(Callback):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             shown = f"  loss {float(loss):.4g}" if loss is not None else ""
             self._print(trainer, f"{self._epoch(trainer)}  step {step}  batch {batch_idx + 1}/"
-                                 f"{trainer.num_training_batches}{shown}")
+                                 f"{trainer.num_training_batches}{shown}"
+                                 + (f"  ({left[2:]})" if (left := self.time_left(trainer)) else ""))
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         logged = trainer.callback_metrics
@@ -89,7 +122,7 @@ class LineProgress(Callback):
                    if not k.endswith("_step") and f"{k}_epoch" not in logged and not k.startswith("lr-")
                    and (self._validated or not k.startswith("val"))}  # no stale validation metrics
         self._print(trainer, f"{self._epoch(trainer)}  step {trainer.global_step}  {format_metrics(metrics)}  "
-                             f"({time.perf_counter() - self._epoch_start:.1f} s)")
+                             f"({time.perf_counter() - self._epoch_start:.1f} s{self.time_left(trainer)})")
 
 
 def evaluation_batches(model: Any, loader: Any, *, device: Any, mode: str):

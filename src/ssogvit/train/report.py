@@ -8,8 +8,8 @@ into `--out`:
 - `table<N>.md` for each paper table that the runs belong to (or only `--table N`): every row of the table with the
   paper's Acc@1 beside our best and final validation top-1, the dataset and the epochs run, and `runs.md` for runs
   that reproduce no paper row;
-- `curves.png`: training and validation loss, and validation top-1 (mIoU for a segmentation run), against epoch,
-  every run on the same axes;
+- `curves.png`: training and validation loss against epoch, every run on the same axes, and a panel per validation
+  metric (top-1 of the classification runs, mIoU of the segmentation runs);
 - for segmentation runs (docs/dense.md), `segmentation.md`: per experiment the final validation mIoU and pixel
   accuracy as mean ± sd over the seeds, and every seed's mIoU, and `segmentation.png` (the mean and every seed);
 - for runs of CPU-sized twins of the paper's runs (experiments whose `meta.paper_experiment` names a paper run, the
@@ -249,14 +249,13 @@ def plot_segmentation(runs: list[RunLog], path: Path) -> None:
     for run in runs:
         groups.setdefault(run.name, []).append(run.final_top1())
     names = sorted(groups, key=lambda n: -statistics.fmean(groups[n]))
-    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.6))
+    fig, ax = plt.subplots(figsize=(max(1.2 * len(names) + 2, 4.6), 3.8), layout="constrained")
     ax.bar(range(len(names)), [statistics.fmean(groups[n]) for n in names], color="0.8", edgecolor="0.3")
     for i, name in enumerate(names):
         ax.plot([i] * len(groups[name]), groups[name], "o", color="C0", ms=4)
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
-    ax.set(ylabel="validation mIoU (%)", title="segmentation: mean over seeds (bar), each seed (dot)")
+    ax.set(ylabel="validation mIoU (%)", title="segmentation mIoU:\nmean over seeds (bar), each seed (dot)")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -427,14 +426,18 @@ def _is_sweep(runs: list[RunLog]) -> bool:
 
 
 def plot_curves(runs: list[RunLog], path: Path) -> None:
-    """Loss (training solid, validation dashed) and validation top-1 against epoch, every run on the same axes."""
+    """Loss (training solid, validation dashed) against epoch, every run on the same axes, and one panel per
+    validation metric the runs are scored by (top-1 for classification, mIoU for segmentation: never one axis for
+    two metrics)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, (ax_loss, ax_top1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    scores = sorted({run.metric for run in runs}, key=lambda m: (m != "val/top1", m))
+    fig, axes = plt.subplots(1, 1 + len(scores), figsize=(5.5 * (1 + len(scores)), 4.2), layout="constrained")
+    ax_loss, score_axes = axes[0], dict(zip(scores, axes[1:]))
     colors = plt.get_cmap("tab10")
     for i, run in enumerate(runs):
         c = colors(i % 10)
@@ -443,17 +446,18 @@ def plot_curves(runs: list[RunLog], path: Path) -> None:
             if s:
                 ax_loss.plot(sorted(s), [s[e] for e in sorted(s)], style, color=c, marker="o", ms=3)
         s = run.series[run.metric]
-        ax_top1.plot(sorted(s), [s[e] for e in sorted(s)], "-", color=c, marker="o", ms=3, label=run.name)
+        score_axes[run.metric].plot(sorted(s), [s[e] for e in sorted(s)], "-", color=c, marker="o", ms=3,
+                                    label=run.name)
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_loss.legend(handles=[Line2D([], [], color="k", ls="-", label="training"),
                             Line2D([], [], color="k", ls="--", label="validation")])
-    scores = sorted({run.metric.removeprefix("val/") for run in runs})
-    ax_top1.set(xlabel="epoch", ylabel=f"validation {', '.join(scores)} (%)", title=f"validation {', '.join(scores)}")
-    ax_top1.legend(fontsize="small")
-    for ax in (ax_loss, ax_top1):
+    for metric, ax in score_axes.items():
+        name = {"val/top1": "top-1", "val/miou": "mIoU"}.get(metric, metric.removeprefix("val/"))
+        ax.set(xlabel="epoch", ylabel=f"validation {name} (%)", title=f"validation {name}")
+        ax.legend(fontsize="small")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

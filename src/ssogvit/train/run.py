@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export
 from .module import ClassificationModule
 from .segmentation import SegmentationModule
 from .resume import EpochEndCheckpoint, check_resumable, epochs_done, save_resumable
-from .run_folder import RunFolder, prune_logs
+from .run_folder import RESUME_WORDS, RunFolder, fresh_folder, prune_logs
 
-__all__ = ["train", "build_trainer", "build_datamodule", "fit", "resolve_precision", "resolve_resume",
+__all__ = ["train", "build_trainer", "log_interval", "build_datamodule", "fit", "resolve_precision", "resolve_resume",
            "format_summary"]
 
 NO_RESUME = (None, False, "null", "none", "false")
@@ -58,19 +59,37 @@ def build_datamodule(cfg: DictConfig):
 
 
 def resolve_resume(cfg: DictConfig, ckpt_dir: Path) -> str | None:
-    """The checkpoint to resume from (`resume: auto` -> `last.ckpt` if present), checked to be readable."""
+    """The checkpoint to resume from (`resume: auto` or `extend` -> `last.ckpt` if present), checked to be readable."""
     resume = cfg.resume
-    if resume in NO_RESUME:
+    if resume in (*NO_RESUME, "new"):
         return None
-    path = ckpt_dir / "last.ckpt" if resume == "auto" else Path(str(resume))
-    if resume == "auto" and not path.exists():
+    auto = resume in ("auto", "extend")
+    path = ckpt_dir / "last.ckpt" if auto else Path(str(resume))
+    if auto and not path.exists():
         return None
     check_checkpoint(path)  # a clear CheckpointError naming the intact ones, instead of a zip error mid-restore
     return str(path)
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None = None, loggers: bool = True):
-    """The Lightning `Trainer` for a run config, with checkpointing into `output_dir/checkpoints`."""
+def log_interval(cfg: DictConfig, batches: int | None) -> int:
+    """`trainer.log_every_n_steps`, lowered to the training batches of an epoch (`batches` batches in the loader, as
+    `trainer.limit_train_batches` cuts them) when there are fewer: a small dataset is then logged once an epoch
+    instead of Lightning warning that it never is (docs/training.md, "What a run prints")."""
+    every = int(cfg.trainer.log_every_n_steps)
+    if not batches:
+        return every
+    limit = cfg.trainer.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = max(1, int(batches * limit))
+    return max(1, min(every, batches))
+
+
+def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None = None, loggers: bool = True,
+                  train_batches: int | None = None):
+    """The Lightning `Trainer` for a run config, with checkpointing into `output_dir/checkpoints`; `train_batches`
+    (the training loader's length, when known) lowers the logging interval to it (`log_interval`)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -100,6 +119,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *, callbacks: list | None =
     precision = resolve_precision(t.pop("precision"), accelerator)
     limits = {k: t.pop(k) for k in ("limit_train_batches", "limit_val_batches") if t.get(k) is not None}
     t = {k: v for k, v in t.items() if k not in ("limit_train_batches", "limit_val_batches")}
+    t["log_every_n_steps"] = log_interval(cfg, train_batches)
     return pl.Trainer(accelerator=accelerator, precision=precision, callbacks=cbs, logger=logger or False,
                       default_root_dir=str(output_dir), plugins=[atomic_checkpoint_io()], **limits, **t)
 
@@ -164,9 +184,14 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
         raise refuse("the model cannot be built from this config", err) from None
     try:  # after the model, as Lightning does it: a dataset drawing random numbers leaves the initial weights alone
         dm.setup("fit")
-        dm.train_dataloader(), dm.val_dataloader()
+        loader = dm.train_dataloader()
+        dm.val_dataloader()
     except (ValueError, TypeError) as err:
         raise refuse("the data loaders cannot be built from this config", err) from None
+    try:
+        train_batches = len(loader)
+    except TypeError:  # an iterable dataset: Lightning cannot tell either
+        train_batches = None
     blank = torch.zeros(1, int(dm.in_chans), int(dm.img_size), int(dm.img_size))  # (1, C, H, W)
     training = module.training
     try:
@@ -177,7 +202,7 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
     finally:
         module.train(training)
     try:
-        trainer = build_trainer(cfg, output_dir, callbacks=callbacks)
+        trainer = build_trainer(cfg, output_dir, callbacks=callbacks, train_batches=train_batches)
     except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
         raise refuse("the trainer cannot be set up from this config", err) from None
     return trainer, dm, model_config, module
@@ -215,7 +240,9 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
     start = time.perf_counter()
     deterministic_before = torch.are_deterministic_algorithms_enabled()  # Trainer(deterministic=True) switches it on
     try:
-        return _launch(cfg, callbacks, verbose, start)
+        with warnings.catch_warnings():  # Lightning 2.6 on torch 2.14 warns of its own use of torch's pytree API
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+            return _launch(cfg, callbacks, verbose, start)
     finally:
         torch.use_deterministic_algorithms(deterministic_before)
 
@@ -223,13 +250,15 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, verbose: bool = Tru
 def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    output_dir = Path(str(cfg.output_dir)).expanduser()
     check_run_config(cfg)  # before seed_everything reads the seed
+    if cfg.resume == "new":
+        _new_try(cfg)
+    output_dir = Path(str(cfg.output_dir)).expanduser()
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     resume_setting = cfg.resume
-    if resume_setting not in NO_RESUME and resume_setting != "auto":
+    if resume_setting not in (*NO_RESUME, *RESUME_WORDS):
         check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
@@ -255,6 +284,22 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     if verbose:
         print(format_summary(summary))
     return summary
+
+
+#: the folder rank 0 chose for `resume=new`, for the processes Lightning's launcher starts after it (DDP)
+NEW_TRY_ENV = "SSOGVIT_NEW_TRY_DIR"
+
+
+def _new_try(cfg: DictConfig) -> None:
+    """`resume=new`: a new try of the experiment in `output_dir` if it holds no run, else in the first free folder
+    beside it (`runs/<name>-2`, `-3`, ...), as a fresh start (docs/training.md, "A run folder belongs to one run")."""
+    asked = Path(str(cfg.output_dir)).expanduser()
+    chosen = os.environ.get(NEW_TRY_ENV) if not _is_global_zero() else None
+    out = Path(chosen) if chosen else fresh_folder(asked)
+    if out != asked and _is_global_zero():
+        print(f"{asked} holds a run; this new try writes to {out}", flush=True)
+    os.environ[NEW_TRY_ENV] = str(out)
+    cfg.output_dir, cfg.resume = str(out), None
 
 
 class _QuietSignals(logging.Filter):

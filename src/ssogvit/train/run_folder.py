@@ -32,7 +32,8 @@ from ssogvit.outputs import HOST, atomic_write, remove_stale_temp_files, write_j
 from .errors import RunFolderError
 
 __all__ = [
-    "FolderLock", "RunFolder", "RunFolderError", "config_diff", "folder_state", "fresh_folder", "prune_logs",
+    "FolderLock", "RunFolder", "RunFolderError", "config_diff", "EXTEND_KEYS", "RESUME_WORDS", "folder_state",
+    "fresh_folder", "prune_logs",
     "RUN_FILES", "IGNORED_KEYS", "LOCK_NAME", "STATE_NAME",
 ]
 
@@ -40,6 +41,10 @@ LOCK_NAME, STATE_NAME = ".ssogvit.lock", "run.json"
 #: what makes a folder hold a run (anything else in it is left alone)
 RUN_FILES = ("config.yaml", "run.json", "checkpoints", "export", "logs", "tb", "fit")
 #: run-config keys that may differ between the launches of one run: where things are, not what is computed
+#: the run-config keys a launch with `resume=extend` may raise: how long the run trains, nothing of what it computes
+EXTEND_KEYS = ("trainer.max_epochs", "trainer.max_steps")
+#: the words `resume` takes besides a checkpoint's path (and null): docs/training.md, "A run folder belongs to one run"
+RESUME_WORDS = ("auto", "extend", "new")
 IGNORED_KEYS = ("resume", "output_dir", "data.root", "data.num_workers", "data.pin_memory",
                 "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.logger", "logger", "progress",
                 "cluster")
@@ -159,41 +164,61 @@ class RunFolder:
         """The checkpoint a launch resumes from (None: a fresh start), or `RunFolderError` saying what to do instead.
 
         Args:
-            resume: the run config's `resume` (`auto`, null, or a path).
-            config: the launch's resolved config, compared with the `config.yaml` of an unfinished run here.
+            resume: the run config's `resume`: `auto`, `extend` (a finished run trained longer: only `EXTEND_KEYS`
+                may differ, and one of them must grow), `new` (the caller chose a fresh folder: as null), null, or a
+                path.
+            config: the launch's resolved config, compared with the `config.yaml` of the run here.
         """
         state, folder = self.state(), self.path
         elsewhere = f"or write elsewhere with {self.elsewhere}"
-        explicit = None if resume in (*_NO_RESUME, "auto") else str(resume)
+        explicit = None if resume in (*_NO_RESUME, *RESUME_WORDS) else str(resume)
         other = self.record().get("command", "train")
+        longer = self.command in ("train", "transfer")  # the commands whose runs `extend` and `new` apply to
+        if resume in ("extend", "new") and not longer:
+            raise RunFolderError(f"resume={resume} is for the runs of `ssogvit train` and `ssogvit transfer`, not "
+                                 f"of `ssogvit {self.command}`; {self.elsewhere} names a new folder",
+                                 argument="resume")
         if state != "fresh" and other != self.command:
             raise RunFolderError(f"{folder} holds a run of `ssogvit {other}`, not of `ssogvit {self.command}`; write "
                                  f"elsewhere with {self.elsewhere}", argument=str(folder))
-        if state == "finished":
+        if state == "finished" and resume != "extend":
             raise RunFolderError(f"{folder} holds a finished run; evaluate it with `ssogvit eval --ckpt "
-                                 f"{folder / 'checkpoints' / 'best.ckpt'}`, {elsewhere}", argument=str(folder))
+                                 f"{folder / 'checkpoints' / 'best.ckpt'}`, "
+                                 + ("train it longer with resume=extend and a larger trainer.max_epochs, start a new "
+                                    "try beside it with resume=new, " if longer else "") + elsewhere,
+                                 argument=str(folder))
         if state == "foreign":
             present = [n for n in RUN_FILES if (folder / n).exists()]
             raise RunFolderError(f"{folder} holds files of another run ({', '.join(present)}) but no config.yaml; "
                                  f"write elsewhere with {self.elsewhere}", argument=str(folder))
         if state == "fresh":
+            if resume == "extend":
+                raise RunFolderError(f"{folder} holds no run to extend (resume=extend trains a finished run "
+                                     f"longer); start it with resume=auto", argument=str(folder))
             return explicit
         try:
             saved = read_document(folder / "config.yaml", "config.yaml")
         except DocumentError as err:
             raise RunFolderError(f"{folder} holds a run whose config.yaml cannot be used ({err}); {elsewhere}",
                                  argument=str(folder)) from None
-        diff = config_diff(saved if isinstance(saved, Mapping) else {}, config, self.ignored)
+        saved = saved if isinstance(saved, Mapping) else {}
+        ignored = (*self.ignored, *EXTEND_KEYS) if resume == "extend" else self.ignored
+        diff = config_diff(saved, config, ignored)
         if diff:
             shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
             raise RunFolderError(f"{folder} holds a different run ({shown}); resume it with its own settings "
                                  f"(its config.yaml), {elsewhere}", argument=str(folder))
-        if resume in _NO_RESUME:
+        if resume in (*_NO_RESUME, "new"):
             raise RunFolderError(f"{folder} holds an unfinished run of this config; resume it with resume=auto, "
                                  f"{elsewhere}", argument=str(folder))
         if explicit is not None:
             return explicit
         last = folder / "checkpoints" / "last.ckpt"
+        if resume == "extend" and state == "finished":
+            _check_longer(saved, config, folder)
+            if not last.is_file():
+                raise RunFolderError(f"{folder} holds a finished run without checkpoints/last.ckpt: it cannot be "
+                                     f"extended; {elsewhere}", argument=str(folder))
         return str(last) if last.is_file() else None
 
     @contextlib.contextmanager
@@ -216,6 +241,23 @@ class RunFolder:
         """`run.json`: the run's status (`running` / `finished`), its command and facts about it, atomically."""
         write_json(self.path / STATE_NAME, {"status": status, "command": self.command, **facts}, overwrite=True,
                    default=str)
+
+
+def _check_longer(saved: Mapping[str, Any], config: Mapping[str, Any], folder: Path) -> None:
+    """`RunFolderError` unless `config` trains longer than the finished run `saved`: a larger `trainer.max_epochs`,
+    or a larger `trainer.max_steps` (-1 or absent: no step limit)."""
+    a, b = _flatten(saved), _flatten(config)
+
+    def grows(key: str) -> bool:
+        old, new = a.get(key), b.get(key)
+        if new in (None, -1) or old == new:
+            return old not in (None, -1) and new in (None, -1)  # a step limit lifted
+        return old not in (None, -1) and int(new) > int(old)
+
+    if not any(grows(k) for k in EXTEND_KEYS):
+        raise RunFolderError(f"resume=extend trains the finished run in {folder} longer: give a trainer.max_epochs "
+                             f"above its {a.get('trainer.max_epochs')} (or a larger trainer.max_steps)",
+                             argument="trainer.max_epochs")
 
 
 def folder_state(folder: str | Path) -> str:

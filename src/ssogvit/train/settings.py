@@ -225,7 +225,9 @@ class RunSettings:
     output_dir: str = setting("runs/${name}",
                               doc="checkpoints/, logs/ (CSV), tb/ (TensorBoard), export/, config.yaml")
     seed: int = setting(42, SEED)
-    resume: str | None = setting("auto", doc="auto: continue the unfinished run of this config in output_dir; null: "
+    resume: str | None = setting("auto", doc="auto: continue the unfinished run of this config in output_dir; extend: "
+                                             "train the finished run there on to a larger trainer.max_epochs; new: a "
+                                             "new try in the next free folder (output_dir-2, -3, ...); null: "
                                              "fresh; or a path (a folder holding a finished or different run is "
                                              "refused)")
     meta: dict[str, Any] = setting({"paper": None, "description": None},
