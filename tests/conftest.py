@@ -10,6 +10,12 @@ import torch
 # The tests run many tiny operations; one intra-op thread avoids oversubscription on small shared machines.
 torch.set_num_threads(1)
 
+# Lightning gives its logger a handler on the sys.stderr of the moment it is first imported. Imported inside a test
+# that captures output (capsys), that stream is closed after the test, and every later in-process run's Lightning
+# line ends in a "--- Logging error ---" traceback; imported here, it is pytest's session-wide capture.
+with contextlib.suppress(ImportError):
+    import lightning.pytorch  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _seed():
