@@ -15,6 +15,7 @@ from timm.models import FeatureInfo
 
 import ssogvit
 from ssogvit.models import create_model, create_segmentation_model, list_models, load_weights, timm_name
+from ssogvit.models.pretrained import carry_state_dict
 from ssogvit.train.io import export_safetensors, load_model
 
 CHEAP = dict(img_size=32, patch_size=8, embed_dim=24, depth=3)
@@ -174,6 +175,8 @@ def test_a_timm_vit_on_disk_becomes_an_ssog_pyramid_carried_as_ssogify_carries_i
     torch.save(vit.state_dict(), tmp_path / "vit_tiny.pth")
     pyramid = timm.create_model("ssogvit_vit_tiny_ssog_pyramid", pretrained=True, img_size=64, depth=2,
                                 pretrained_cfg_overlay=dict(file=str(tmp_path / "vit_tiny.pth"))).eval()
+    carried = carry_state_dict(torch.load(tmp_path / "vit_tiny.pth"), pyramid)
+    assert carried.keys() == pyramid.state_dict().keys() and not any(".qkv." in k for k in carried)
     ssogvit.ssogify(vit)
     fields = {k: v for k, v in pyramid.backbone.state_dict().items() if ".attn." in k and "." + k.split(".")[-1]
               not in (".weight", ".bias")}
