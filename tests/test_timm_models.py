@@ -4,8 +4,6 @@ folder, and smp's architectures on the pyramid (docs/dense.md, docs/models.md)."
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import timm
@@ -102,13 +100,14 @@ def test_a_pyramid_name_is_a_classifier_whose_features_are_the_levels():
     assert model(x).shape == (2, 5)
 
 
-def test_timm_factory_keywords_reach_every_parameter_of_every_registered_tiny_name():
-    for name in TINY_NAMES:  # on the meta device: shapes only, no memory
-        model = timm.create_model(name, device="meta", dtype=torch.bfloat16, dynamic_img_size=True)
-        tensors = [*model.parameters(), *model.buffers()]
-        assert {(t.device.type, t.dtype) for t in tensors if t.is_floating_point()} == {("meta", torch.bfloat16)}, name
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT_NAMES else [pytest.mark.slow])
+                                  for n in TINY_NAMES])
+def test_timm_factory_keywords_reach_every_parameter_of_every_registered_tiny_name(name):
+    model = timm.create_model(name, device="meta", dtype=torch.bfloat16, dynamic_img_size=True)  # shapes only
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {(t.device.type, t.dtype) for t in tensors if t.is_floating_point()} == {("meta", torch.bfloat16)}
     with pytest.raises(ValueError, match="dtype must be a floating"):
-        create_model("vit-tiny-ssog", dtype=torch.int64)
+        timm.create_model(name, dtype=torch.int64)
 
 
 @pytest.mark.parametrize("name", ["ssogvit_looped_tiny_ssog", "ssogvit_vit_tiny_ssog_steered_pyramid"])
@@ -216,13 +215,14 @@ def test_save_pretrained_replaces_a_saved_folder_atomically_and_refuses_anything
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
 
 
-def test_export_takes_a_save_pretrained_folder(tmp_path):
-    create_model("vit-tiny-ssog", num_classes=3, **CHEAP).save_pretrained(tmp_path / "saved")
-    res = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(tmp_path / "saved"), "--format",
-                          "torchscript", "--out", str(tmp_path / "m.pt")], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert (tmp_path / "m.pt").is_file()
+def test_export_and_load_model_take_a_save_pretrained_folder(tmp_path):
+    from ssogvit.export import main as export_main
+
+    model = create_model("vit-tiny-ssog", num_classes=3, **CHEAP).eval()
+    model.save_pretrained(tmp_path / "saved")
+    assert _same(model.state_dict(), "", load_model(tmp_path / "saved").state_dict())
+    argv = ["--ckpt", str(tmp_path / "saved"), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]
+    assert export_main(argv) == 0 and (tmp_path / "m.pt").is_file()
 
 
 # -- segmentation_models_pytorch -------------------------------------------------------------------------------------
