@@ -94,5 +94,5 @@ def test_an_image_the_patch_does_not_divide_and_an_unknown_task_are_refused():
         seg()(torch.randn(1, 1, 36, 32))
     with pytest.raises(ValueError, match="unknown task 'detection'"):
         create_model("vit-tiny-ssog", task="detection")
-    with pytest.raises(ValueError, match="features_only"):
-        timm.create_model("ssogvit_vit_tiny_ssog_pyramid", features_only=False)
+    with pytest.raises(ValueError, match=r"output_stride=12: the pyramid of patch 16 has reductions \[4, 8, 16, 32\]"):
+        timm.create_model("ssogvit_vit_tiny_ssog_pyramid", output_stride=12)

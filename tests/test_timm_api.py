@@ -336,7 +336,7 @@ def test_save_pretrained_round_trips_bit_for_bit(family, mixer, tmp_path):
     with torch.no_grad():
         assert torch.equal(twin(x), model(x))
     with pytest.raises(FileExistsError, match="overwrite"):
-        model.save_pretrained(tmp_path)
+        model.save_pretrained(tmp_path, overwrite=False)
     with pytest.raises(FileNotFoundError, match="config.json"):
         from_pretrained(tmp_path / "missing")
 

@@ -127,7 +127,7 @@ def test_an_ssogified_model_round_trips_through_save_pretrained_and_timm_local_d
         assert torch.equal(twin.eval()(x), model.eval()(x))
     assert twin.no_weight_decay() == model.no_weight_decay()
     with pytest.raises(FileExistsError, match="overwrite"):
-        model.save_pretrained(tmp_path)
+        model.save_pretrained(tmp_path, overwrite=False)
     twin.save_pretrained(tmp_path / "again")  # and round again from the reloaded model
     again = timm.create_model(f"local-dir:{tmp_path / 'again'}", pretrained=True)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))

@@ -272,7 +272,8 @@ def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo
 def main(argv: list[str] | None = None) -> int:
     """``ssogvit export``: write a checkpoint's model as a deployable file and print the parity it measured."""
     parser = ArgumentParser(prog="ssogvit export", description=main.__doc__)
-    parser.add_argument("--ckpt", required=True, help="a Lightning .ckpt or an exported .safetensors (config beside)")
+    parser.add_argument("--ckpt", required=True,
+                        help="a Lightning .ckpt, an exported .safetensors (config beside) or a save_pretrained folder")
     parser.add_argument("--format", required=True, choices=list(FORMATS))
     parser.add_argument("--out", help="file to write (default: beside the checkpoint, with the format's suffix)")
     parser.add_argument("--batch", type=BATCH.argparse, default=2, help="batch of the traced example (default 2)")
@@ -292,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ssogvit.train.io import checkpoint_files
+    from ssogvit.train.io import checkpoint_files, weights_path
 
-    ckpt = input_file(args.ckpt, "--ckpt", what="checkpoint")
+    ckpt = input_file(weights_path(args.ckpt), "--ckpt", what="checkpoint")
     out = check_output_file(args.out or ckpt.with_suffix(FORMATS[args.format]), "--out", overwrite=args.overwrite,
                             inputs=checkpoint_files(ckpt))
     if args.format == "onnx":

@@ -43,7 +43,7 @@ __all__ = [
     "OutputError", "OutputExistsError", "OVERWRITE_FLAG", "TEMP_TAG", "HOST",
     "check_output_file", "check_output_folder", "check_replaceable", "atomic_write", "write_text", "write_bytes",
     "write_json",
-    "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files",
+    "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files", "replace_folder",
 ]
 
 OVERWRITE_FLAG = "--overwrite"  # the one spelling, for every command
@@ -325,3 +325,43 @@ def staged_outputs(folder: str | os.PathLike, argument: str = "--out", *, overwr
             for p in created:  # innermost first
                 with contextlib.suppress(OSError):
                     p.rmdir()
+
+
+def replace_folder(folder: str | os.PathLike, write: Callable[[Path], None], *, owned: Sequence[str]) -> Path:
+    """Write a folder whole, replacing one of the same kind, as timm's and Hugging Face's ``save_pretrained`` do.
+
+    ``write(stage)`` fills a fresh temporary folder beside ``folder``; its files are synced, then it takes
+    ``folder``'s place by rename (an existing ``folder`` is first renamed aside, then removed), so at every moment
+    ``folder`` is the old complete folder, the new complete one, or, between the two renames, absent: never half
+    written. What may be replaced is a folder that holds nothing but the names ``owned`` (what the writer writes);
+    a file, a link, or a folder with anything else in it is refused with ``FileExistsError`` naming what is there, and
+    nothing is written. On failure the stage is removed and ``folder`` is left as it was.
+    """
+    target = Path(folder)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(f"{target} exists and is not a folder; save into a folder (nothing was written)")
+    if target.is_dir():
+        others = sorted(p.name for p in target.iterdir() if p.name not in owned)
+        if others:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            raise FileExistsError(f"{target} holds {shown}, which a saved model does not: it is not a saved model's "
+                                  "folder, so it is not replaced (nothing was written); choose another folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage, aside = temp_path(target), temp_path(target)
+    stage.mkdir()
+    try:
+        write(stage)
+        for p in stage.rglob("*"):
+            if p.is_file():
+                os.chmod(p, 0o666 & ~_umask())
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+        os.chmod(stage, 0o777 & ~_umask())
+        if target.is_dir():
+            os.rename(target, aside)
+        os.rename(stage, target)
+        _fsync_folder(target.parent)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+    return target

@@ -287,16 +287,18 @@ def _no_weight_decay(model: nn.Module, inherited: Callable[[], set[str]] | None)
 SSOGIFIED = "ssogvit_ssogified"
 
 
-def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: bool = False) -> Path:
+def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: bool = True) -> Path:
     """Write an ssogified model in the Hugging Face hub layout (timm's ``save_for_hf``), so that
     ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)`` rebuilds it bit for bit.
 
     ``config.json`` names the architecture ``ssogvit_ssogified`` with the base architecture and its arguments (as
     timm's factory recorded them, or an ssogvit model's ``config``) and the options ``ssogify`` was called with;
-    ``model.safetensors`` holds the weights. ``ssogify`` makes this the model's ``save_pretrained``.
+    ``model.safetensors`` holds the weights. ``ssogify`` makes this the model's ``save_pretrained``. A second save
+    into the same folder replaces it atomically, as timm's does (``VisionTransformerBase.save_pretrained``).
 
     Raises:
-        FileExistsError: the folder already holds a saved model and ``overwrite`` is not set.
+        FileExistsError: the folder is a file, a link or holds other files, or a saved model while ``overwrite`` is
+            ``False``.
         ValueError: ``model`` was not made by ``ssogify``.
     """
     from timm.models import save_for_hf
@@ -306,19 +308,17 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: 
     options = getattr(model, "ssogify_options", None)
     if options is None:
         raise ValueError("save_pretrained here saves a model made by ssogify(); ssogvit's own models have their own")
-    folder = Path(save_directory)
-    existing = [f for f in ("config.json", "model.safetensors") if (folder / f).exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
+    from ssogvit.models._common import write_saved_folder
+
     if isinstance(model, VisionTransformerBase):  # a model of ours: its config rebuilds it
         base, base_args = timm_name(model.config["name"]), {k: v for k, v in model.config.items() if k != "name"}
     else:  # timm's factory recorded the arguments (``_model_args``); for a reloaded model, also the base
         recorded = getattr(model, "_model_args", {})
         base, base_args = recorded.get("ssogify_base", model.pretrained_cfg["architecture"]), {}
     args = {**base_args, "ssogify_base": base, "ssogify_options": options}
-    save_for_hf(model, str(folder), model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, model_args=args,
-                safe_serialization=True)
-    return folder
+    return write_saved_folder(save_directory, lambda stage: save_for_hf(
+        model, str(stage), model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, model_args=args,
+        safe_serialization=True), overwrite=overwrite)
 
 
 def _ssogified_entrypoint(

@@ -2,7 +2,8 @@
 
 from ._common import GLOBAL_POOLS, SIZES, Block, BlockStack, CenterNorm, VisionTransformerBase
 from .looped import Loop, LoopedViT
-from .dense import PyramidFeatures, SegmentationModel, SemanticFPNHead, SimpleFeaturePyramid
+from .dense import PyramidFeatures, PyramidViT, SegmentationModel, SemanticFPNHead, SimpleFeaturePyramid
+from .pretrained import carry_state_dict
 from .maps import record_attention
 from .ode import ADAPTIVE_SOLVERS, FIXED_GRID_SOLVERS, STEPPED_SOLVERS, Flow, ODEViT
 from .registry import (
@@ -12,6 +13,7 @@ from .registry import (
     create_segmentation_model,
     from_pretrained,
     list_models,
+    load_weights,
     model_options,
     parse_model_name,
     timm_name,
@@ -32,6 +34,7 @@ __all__ = [
     "Flow",
     "Loop",
     "PyramidFeatures",
+    "PyramidViT",
     "SegmentationModel",
     "SemanticFPNHead",
     "SimpleFeaturePyramid",
@@ -39,11 +42,13 @@ __all__ = [
     "ODEViT",
     "VisionTransformer",
     "VisionTransformerBase",
+    "carry_state_dict",
     "check_model_config",
     "create_model",
     "create_segmentation_model",
     "from_pretrained",
     "list_models",
+    "load_weights",
     "model_options",
     "parse_model_name",
     "record_attention",

@@ -33,11 +33,12 @@ from ssogvit.specs import (
     NUM_REGISTERS,
     PATCH_SIZE,
     Choice,
+    Flag,
     IntOrPair,
     checked,
 )
 from ssogvit.layers import create_mixer, default_pool, is_ssog
-from ssogvit.outputs import staged_outputs
+from ssogvit.outputs import replace_folder
 
 from . import transfer
 from .sealed import seal_file
@@ -202,6 +203,19 @@ def _image_size(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+#: what ``save_pretrained`` writes into its folder (timm's hub layout); a folder holding anything else is not replaced
+SAVED_FILES = ("config.json", "model.safetensors")
+
+
+def write_saved_folder(folder: str | Path, write: Callable[[Path], None], *, overwrite: bool = True) -> Path:
+    """``replace_folder`` for a ``save_pretrained`` folder (``SAVED_FILES``); with ``overwrite=False`` a folder that
+    holds a saved model already is refused (``FileExistsError``)."""
+    existing = [f for f in SAVED_FILES if (Path(folder) / f).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{folder} already holds {existing}; save with overwrite=True to replace them")
+    return replace_folder(folder, write, owned=SAVED_FILES)
+
+
 class VisionTransformerBase(TimmVisionTransformer):
     """timm's ``VisionTransformer`` with a registered mixer in every block; the base of the three families.
 
@@ -235,6 +249,10 @@ class VisionTransformerBase(TimmVisionTransformer):
             paper's configs set ``"token"`` (docs/models.md, "The default head").
         drop_path_rate: stochastic depth (what it means is the family's: see ``_steps``).
         mlp_ratio: MLP hidden width over ``D``.
+        dynamic_img_size: timm's keyword, accepted for code that passes it to every timm ViT; the models take any
+            image size whatever it says (the position embedding is resized on the fly), so it is not recorded.
+        dynamic_img_pad: pad an image the patch does not divide on the right and bottom (timm's ``PatchEmbed``),
+            instead of refusing it; recorded in ``config`` when set.
         name: registry name recorded in ``config``.
         **options: the family's own options (``family_options``).
 
@@ -269,6 +287,8 @@ class VisionTransformerBase(TimmVisionTransformer):
         global_pool: Annotated[str | None, Choice(GLOBAL_POOLS, none=True)] = None,
         drop_path_rate: Annotated[float, DROP_RATE] = 0.0,
         mlp_ratio: Annotated[float, MLP_RATIO] = 4.0,
+        dynamic_img_size: Annotated[bool, Flag()] = True,
+        dynamic_img_pad: Annotated[bool, Flag()] = False,
         name: str | None = None,
         **options: Any,
     ) -> None:
@@ -283,6 +303,8 @@ class VisionTransformerBase(TimmVisionTransformer):
             in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
             drop_path_rate=drop_path_rate, mlp_ratio=mlp_ratio, **options, **mixer_options,
         )
+        if dynamic_img_pad:  # recorded only when set, so every config written before it stays as it was
+            config["dynamic_img_pad"] = True
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         img_size = _image_size(img_size)
@@ -299,7 +321,8 @@ class VisionTransformerBase(TimmVisionTransformer):
                 img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
                 global_pool=global_pool, embed_dim=embed_dim, depth=1 if self.shared_block else depth,
                 num_heads=num_heads, mlp_ratio=mlp_ratio, reg_tokens=num_registers, fc_norm=False,
-                dynamic_img_size=True, drop_path_rate=0.0 if self.shared_block else drop_path_rate,
+                dynamic_img_size=True, dynamic_img_pad=dynamic_img_pad,
+                drop_path_rate=0.0 if self.shared_block else drop_path_rate,
                 weight_init="skip", block_fn=block_fn,
             )
         except (TypeError, ValueError) as err:
@@ -429,27 +452,32 @@ class VisionTransformerBase(TimmVisionTransformer):
         if global_pool:
             self.config["global_pool"] = global_pool
 
-    def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = False) -> Path:
+    def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = True) -> Path:
         """Write the model in the Hugging Face hub layout (timm's ``save_for_hf``): ``config.json`` (architecture,
         ``model_args`` = this model's config, pretrained config) and ``model.safetensors``, sealed: its header holds
         the config and one digest covers it and the weights (``ssogvit.models.sealed``); ``config.json`` is checked
         against it on every load.
 
+        A second save into the same folder replaces it, as timm's and Hugging Face's do, atomically: the folder is
+        written whole beside it and renamed into place (``ssogvit.outputs.replace_folder``), never half written.
+
         Load it back with ``ssogvit.models.from_pretrained(save_directory)`` or
         ``timm.create_model(f"local-dir:{save_directory}", pretrained=True)``.
 
+        Args:
+            overwrite: ``False`` refuses a folder that holds a saved model already (``FileExistsError``).
+
         Raises:
-            FileExistsError: the folder already holds a saved model and ``overwrite`` is not set.
+            FileExistsError: ``save_directory`` is a file or a link, or a folder that holds anything but a saved
+                model's two files (it is not replaced), or a saved model while ``overwrite`` is ``False``.
         """
-        folder = Path(save_directory)
-        existing = [f for f in ("config.json", "model.safetensors") if (folder / f).exists()]
-        if existing and not overwrite:
-            raise FileExistsError(f"{folder} already holds {existing}; pass overwrite=True to replace them")
         model_args = {k: v for k, v in self.config.items() if k != "name"}
-        with staged_outputs(folder, "save_directory", overwrite=overwrite) as stage:  # both files, or neither
+
+        def write(stage: Path) -> None:
             save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
             seal_file(stage / "model.safetensors", self.config)
-        return folder
+
+        return write_saved_folder(save_directory, write, overwrite=overwrite)
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -472,8 +500,9 @@ class VisionTransformerBase(TimmVisionTransformer):
             raise ValueError(f"an empty batch {tuple(x.shape)}: a model takes 1 image or more")
         h, w = x.shape[-2:]
         p = self.patch_size
-        if h % p or w % p:
-            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {p}")
+        if (h % p or w % p) and not self.patch_embed.dynamic_img_pad:
+            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {p} "
+                             "(dynamic_img_pad=True pads it instead)")
         patches = self.patch_embed(x)  # (B, Gh, Gw, D)
         grid = (patches.shape[1], patches.shape[2])
         return self.norm_pre(self.patch_drop(self._pos_embed(patches))), grid

@@ -7,9 +7,11 @@ timm's ``forward_intermediates`` (the grid passed to every block), so nothing he
   blocks) -> maps at strides ``p/4, p/2, p, 2p`` (4, 8, 16, 32 for patch 16): two 2x2 deconvolutions, one, none, a
   2x2 max-pool; then a 1x1 and a 3x3 convolution with LayerNorm on each level (timm's ``ConvNormAct`` and
   ``LayerNorm2d``: the model needs nothing beyond the core's torch and timm).
-- ``PyramidFeatures``: backbone + pyramid, a timm ``features_only`` model (``feature_info`` with reductions
-  ``p/4 .. 2p``); registered in timm as ``ssogvit_<family>_<size>_<mixer>_pyramid``, so segmentation_models_pytorch
-  takes ``tu-ssogvit_vit_tiny_ssog_pyramid`` as a Unet / FPN / UPerNet encoder.
+- ``PyramidFeatures``: backbone + pyramid, the features of ``SegmentationModel``.
+- ``PyramidViT``: backbone + pyramid + a classifier on the pyramid, a whole timm model registered as
+  ``ssogvit_<family>_<size>_<mixer>_pyramid``: ``forward_intermediates`` and ``features_only=True`` give the levels
+  (reductions ``p/4 .. 2p``, or capped at ``output_stride`` by resampling), so segmentation_models_pytorch takes
+  ``tu-ssogvit_vit_tiny_ssog_pyramid`` as the encoder of every architecture that takes a timm encoder.
 - ``SemanticFPNHead`` (Kirillov et al., Panoptic FPN's semantic branch, one conv per level): each level to
   ``head_dim`` channels, upsampled to the finest level and summed, a 1x1 classifier, bilinear upsampling to the input.
 - ``SegmentationModel``: features + head, logits ``(B, num_classes, H, W)`` at the input resolution.
@@ -21,15 +23,17 @@ from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
-from timm.layers import ConvNormAct, LayerNorm2d
+from timm.layers import ClassifierHead, ConvNormAct, LayerNorm2d
 from timm.models import FeatureInfo
+from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
 from ._common import VisionTransformerBase
 
-__all__ = ["PYRAMID_SCALES", "SimpleFeaturePyramid", "PyramidFeatures", "SemanticFPNHead", "SegmentationModel"]
+__all__ = ["PYRAMID_SCALES", "SimpleFeaturePyramid", "PyramidFeatures", "PyramidViT", "SemanticFPNHead",
+           "SegmentationModel", "pyramid_scales"]
 
 #: upsampling factor of each pyramid level relative to the patch map (ViTDet: strides 4, 8, 16, 32 at patch 16)
 PYRAMID_SCALES: tuple[float, ...] = (4.0, 2.0, 1.0, 0.5)
@@ -50,6 +54,43 @@ def _resample(dim: int, scale: float) -> tuple[nn.Module, int]:
     raise ValueError(f"unsupported pyramid scale {scale}; ViTDet's are {PYRAMID_SCALES}")
 
 
+def pyramid_scales(patch_size: int, output_stride: int | None = None) -> tuple[float, ...]:
+    """Each level's upsampling factor over the patch map: ViTDet's, with every level's reduction capped at
+    ``output_stride`` (the coarse levels resampled to that stride instead of pooled: what DeepLab's dilation gives a
+    CNN, docs/dense.md). ``output_stride`` must be one of the pyramid's reductions ``p/4, p/2, p, 2p``."""
+    if output_stride is None:
+        return PYRAMID_SCALES
+    reductions = [patch_size / s for s in PYRAMID_SCALES]
+    if output_stride not in reductions:
+        whole = [int(r) if float(r).is_integer() else r for r in reductions]
+        raise ValueError(f"output_stride={output_stride}: the pyramid of patch {patch_size} has reductions {whole}; "
+                         "give one of them")
+    return tuple(max(s, patch_size / output_stride) for s in PYRAMID_SCALES)
+
+
+def _feature_info(patch_size: int, scales: tuple[float, ...], width: int) -> list[dict[str, Any]]:
+    """timm's ``feature_info`` of the levels; whole reductions as ints (timm and smp compare them with ``2 ** k``)."""
+    reductions = [patch_size / s for s in scales]
+    return [dict(num_chs=width, reduction=int(r) if r.is_integer() else r, module=f"pyramid.levels.{i}")
+            for i, r in enumerate(reductions)]
+
+
+def _check_feature_blocks(backbone: VisionTransformerBase, feature_blocks: list[int] | None) -> list[int] | None:
+    if feature_blocks is not None and max(feature_blocks) >= len(backbone.blocks):
+        raise ValueError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
+                         f"applications (0..{len(backbone.blocks) - 1})")
+    return None if feature_blocks is None else [int(i) for i in feature_blocks]
+
+
+def _patch_maps(backbone: VisionTransformerBase, x: Tensor, feature_blocks: list[int] | None) -> list[Tensor]:
+    """The normalised patch maps ``(B, D, Gh, Gw)`` the pyramid reads: the last block's (ViTDet), or one per level."""
+    blocks = [-1] if feature_blocks is None else feature_blocks
+    taken = sorted({b % len(backbone.blocks) for b in blocks})
+    maps = backbone.forward_intermediates(x, indices=taken, norm=True, output_fmt="NCHW", intermediates_only=True)
+    by_block = dict(zip(taken, maps))
+    return [by_block[b % len(backbone.blocks)] for b in blocks]
+
+
 class SimpleFeaturePyramid(nn.Module):
     """ViTDet's simple feature pyramid on ViT patch maps.
 
@@ -59,12 +100,12 @@ class SimpleFeaturePyramid(nn.Module):
         out_channels: width of every level.
     """
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, scales: tuple[float, ...] = PYRAMID_SCALES) -> None:
         super().__init__()
         if in_channels < 4:
             raise ValueError(f"the pyramid needs a backbone width of at least 4, got {in_channels}")
         levels = []
-        for scale in PYRAMID_SCALES:
+        for scale in scales:
             resample, width = _resample(in_channels, scale)
             levels.append(nn.Sequential(
                 resample,
@@ -99,31 +140,134 @@ class PyramidFeatures(nn.Module):
     def __init__(self, backbone: VisionTransformerBase, *, pyramid_dim: int, feature_blocks: list[int] | None = None,
                  out_indices: tuple[int, ...] = tuple(range(NUM_LEVELS))) -> None:
         super().__init__()
-        if feature_blocks is not None and max(feature_blocks) >= len(backbone.blocks):
-            raise ValueError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
-                             f"applications (0..{len(backbone.blocks) - 1})")
+        feature_blocks = _check_feature_blocks(backbone, feature_blocks)
         bad = [i for i in out_indices if not 0 <= int(i) < NUM_LEVELS]
         if bad or not out_indices:
             raise ValueError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}")
         self.backbone = backbone
         self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim)
-        self.feature_blocks = None if feature_blocks is None else [int(i) for i in feature_blocks]
+        self.feature_blocks = feature_blocks
         self.out_indices = tuple(int(i) for i in out_indices)
-        p = backbone.patch_size
-        reductions = [p / s for s in PYRAMID_SCALES]  # whole ones as ints: timm and smp compare them with 2 ** k
-        info = [dict(num_chs=pyramid_dim, reduction=int(r) if r.is_integer() else r, module=f"pyramid.levels.{i}")
-                for i, r in enumerate(reductions)]
-        self.feature_info = FeatureInfo(info, self.out_indices)
+        self.feature_info = FeatureInfo(_feature_info(backbone.patch_size, PYRAMID_SCALES, pyramid_dim),
+                                        self.out_indices)
 
     def forward(self, x: Tensor) -> list[Tensor]:
         """Images ``(B, C, H, W)`` (sides divisible by the patch) -> the ``out_indices`` levels, finest first."""
-        blocks = [-1] if self.feature_blocks is None else self.feature_blocks
-        taken = sorted({b % len(self.backbone.blocks) for b in blocks})
-        maps = self.backbone.forward_intermediates(x, indices=taken, norm=True, output_fmt="NCHW",
-                                                   intermediates_only=True)  # [(B, D, Gh, Gw)] for the blocks taken
-        by_block = dict(zip(taken, maps))
-        levels = self.pyramid([by_block[b % len(self.backbone.blocks)] for b in blocks])
+        levels = self.pyramid(_patch_maps(self.backbone, x, self.feature_blocks))
         return [levels[i] for i in self.out_indices]
+
+
+class PyramidViT(nn.Module):
+    """A whole timm model on the simple feature pyramid: backbone, pyramid and a classifier on the pyramid.
+
+    ``timm.create_model("ssogvit_<family>_<size>_<mixer>_pyramid")`` builds it. Its classifier reads every level, so
+    each weight is trained by a classification loss and timm's model tests hold (docs/dense.md): ``forward_features``
+    gives the levels average-pooled to the coarsest level's grid and summed, ``(B, pyramid_dim, H / r, W / r)`` with
+    ``r`` the last reduction; ``forward_head`` pools it and applies the linear head (timm's ``ClassifierHead``).
+    ``forward_intermediates`` gives the levels themselves, finest first, and ``features_only=True`` (timm's
+    ``FeatureGetterNet``) makes it the encoder smp takes; the state-dict keys are ``PyramidFeatures``' (``backbone.*``,
+    ``pyramid.*``) and ``head.*``.
+
+    Args:
+        backbone: an ssogvit model built with ``num_classes=0``.
+        pyramid_dim: width of every level.
+        feature_blocks: ``None``, every level from the last block's map; or one block index per level.
+        num_classes: classes of the head (0: none).
+        global_pool: the head's pooling (timm's ``SelectAdaptivePool2d`` names; ``""`` keeps the map).
+        drop_rate: dropout before the head.
+        output_stride: cap on the levels' reductions (``pyramid_scales``); ``None``: ViTDet's ``p/4 .. 2p``.
+        config: the record of how it was built.
+    """
+
+    def __init__(self, backbone: VisionTransformerBase, *, pyramid_dim: Annotated[int, EMBED_DIM] = 256,
+                 feature_blocks: list[int] | None = None, num_classes: int = 1000, global_pool: str = "avg",
+                 drop_rate: float = 0.0, output_stride: int | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if feature_blocks is not None and len(feature_blocks) != NUM_LEVELS:
+            raise ValueError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
+                             f"({NUM_LEVELS}, finest first), or none for the last block's map")
+        self.feature_blocks = _check_feature_blocks(backbone, feature_blocks)
+        self.backbone = backbone
+        self.scales = pyramid_scales(backbone.patch_size, output_stride)
+        self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim, self.scales)
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = pyramid_dim
+        self.head = ClassifierHead(pyramid_dim, num_classes, pool_type=global_pool, drop_rate=drop_rate)
+        self.feature_info = _feature_info(backbone.patch_size, self.scales, pyramid_dim)
+        self.config = dict(config or {})
+
+    @property
+    def reductions(self) -> list[float]:
+        """Each level's reduction of the input, finest first."""
+        return [info["reduction"] for info in self.feature_info]
+
+    def levels(self, x: Tensor, indices: list[int] | None = None) -> list[Tensor]:
+        """The pyramid levels ``indices`` (default all), finest first; only those are computed."""
+        maps = _patch_maps(self.backbone, x, self.feature_blocks)
+        maps = maps * NUM_LEVELS if len(maps) == 1 else maps
+        take = range(NUM_LEVELS) if indices is None else indices
+        return [self.pyramid.levels[i](maps[i]) for i in take]
+
+    @staticmethod
+    def _merge(levels: list[Tensor]) -> Tensor:
+        size = levels[-1].shape[-2:]
+        return sum(F.adaptive_avg_pool2d(m, size) if m.shape[-2:] != size else m for m in levels)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images -> the levels average-pooled to the coarsest level's grid and summed ``(B, pyramid_dim, h, w)``."""
+        return self._merge(self.levels(x))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """timm's: the pooled features (``pre_logits``) or the logits."""
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self, x: Tensor, indices: int | list[int] | None = None, norm: bool = False, stop_early: bool = False,
+        output_fmt: str = "NCHW", intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's: the pyramid levels ``indices`` (last ``n`` if an int, all if ``None``) as ``NCHW`` maps, and
+        unless ``intermediates_only`` the ``forward_features`` output first. Every level is normalised already
+        (LayerNorm in each level), so ``norm`` changes nothing."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"the pyramid's levels are NCHW maps; got output_fmt={output_fmt!r}")
+        take, _ = feature_take_indices(NUM_LEVELS, indices)
+        if intermediates_only:
+            return self.levels(x, take)
+        levels = self.levels(x)
+        return self._merge(levels), [levels[i] for i in take]
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """timm's: the levels kept for ``forward_intermediates``; with ``prune_head`` the classifier goes."""
+        take, _ = feature_take_indices(NUM_LEVELS, indices)
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
+
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """timm's: a new head for ``num_classes`` (0: none), optionally another pooling (``""``: none)."""
+        self.num_classes = num_classes
+        self.head.reset(num_classes, pool_type=global_pool)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.backbone.set_grad_checkpointing(enable)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """The backbone's set (under ``backbone.``) and every parameter of at most one dimension."""
+        inner = {f"backbone.{n}" for n in self.backbone.no_weight_decay()}
+        return inner | {n for n, p in self.named_parameters() if p.ndim <= 1}
+
+    def mixers(self) -> list[nn.Module]:
+        return self.backbone.mixers()
 
 
 class SemanticFPNHead(nn.Module):

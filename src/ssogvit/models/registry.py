@@ -7,11 +7,12 @@ In timm the same models are ``"ssogvit_{family}_{size}_{mixer}"`` with ``-`` wri
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -20,8 +21,9 @@ from typing import Any
 import timm
 from safetensors import safe_open
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
-from torch import nn
+from timm.models import (PretrainedCfg, build_model_with_cfg, generate_default_cfgs, register_model,
+                         resolve_pretrained_cfg)
+from torch import Tensor, nn
 
 import torch
 
@@ -31,7 +33,8 @@ from ssogvit.resources import format_bytes
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SIZES, VisionTransformerBase
-from .dense import PyramidFeatures, SegmentationModel
+from .dense import NUM_LEVELS, PyramidViT, SegmentationModel, pyramid_scales
+from .pretrained import carry_state_dict, target_model
 from .looped import LoopedViT
 from .ode import ODEViT
 from .sealed import file_config, header_config, verify
@@ -39,7 +42,7 @@ from .vit import VisionTransformer
 
 __all__ = [
     "FAMILIES", "SIZES", "TASKS", "check_model_config", "create_model", "create_segmentation_model", "from_pretrained",
-    "list_models", "model_options", "parse_model_name", "timm_name",
+    "list_models", "load_weights", "model_options", "parse_model_name", "read_weights", "timm_name",
 ]
 
 #: what a model predicts: ``None`` (an image classifier) or ``"segmentation"`` (per-pixel classes, docs/dense.md)
@@ -90,6 +93,8 @@ def create_model(name: str, *, task: str | None = None, **kwargs: Any) -> nn.Mod
             (``num_atoms``, ``steer``, ``radius``, ...).
         task: ``None``, an image classifier; ``"segmentation"``, the backbone ``name`` with a feature pyramid and a
             segmentation head (``create_segmentation_model``).
+        device, dtype: timm's factory keywords: every parameter and buffer is created on ``device`` and cast to the
+            floating ``dtype``; neither is part of ``config`` (where a model lives is not what it is).
 
     Returns:
         The model; ``create_model(**model.config)`` rebuilds it.
@@ -99,6 +104,9 @@ def create_model(name: str, *, task: str | None = None, **kwargs: Any) -> nn.Mod
     """
     if isinstance(kwargs.get("steer"), list):  # a config read from JSON or YAML: the model records a tuple
         kwargs["steer"] = tuple(kwargs["steer"])
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    if device is not None or dtype is not None:
+        return placed(partial(create_model, name, task=task, **kwargs), device, dtype)
     if task is not None:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; expected one of {[t for t in TASKS if t]} or none")
@@ -122,6 +130,16 @@ def create_model(name: str, *, task: str | None = None, **kwargs: Any) -> nn.Mod
                 f"options of mixer {mixer!r}: {valid_mixer}"
             )
     return FAMILIES[family](mixer=mixer, mixer_options=mixer_kwargs, name=name, **model_kwargs)
+
+
+def placed(build: Callable[[], nn.Module], device: Any = None, dtype: Any = None) -> nn.Module:
+    """``build()`` with every tensor created on ``device`` (``torch.device`` as a context, so nothing is allocated
+    elsewhere first) and the floating parameters and buffers cast to ``dtype``: timm's ``device`` / ``dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build()
+    return model if dtype is None else model.to(dtype=dtype)
 
 
 def create_segmentation_model(backbone_name: str, *, num_classes: int, pyramid_dim: int = 256, head_dim: int = 128,
@@ -167,6 +185,10 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
                             argument=str(source))
     config = dict(config)
     check_no_interpolation(config, str(source))
+    placement = sorted({"device", "dtype"} & set(config))
+    if placement:  # where a model is built is the caller's choice, never a file's
+        raise DocumentError(f"{source}: model_config names {placement}, which are not model options",
+                            argument=str(source))
     if config["name"] not in list_models():
         raise DocumentError(f"{source}: unknown model {config['name']!r} (see `ssogvit list models`)",
                             argument=str(source))
@@ -258,36 +280,106 @@ def _sealed_config(file: str | Path, side: tuple[Any, Path] | None = None) -> di
     return file_config(file, header, side, {timm_name(n): n for n in list_models()})
 
 
+def read_weights(file: str | Path) -> tuple[dict[str, Tensor], dict | None]:
+    """The tensors of a weights file and the ssogvit model config it holds (``None`` for a file of timm's or
+    anyone's): a sealed ``.safetensors`` (export, ``save_pretrained``; its digest and the readable copy beside it
+    checked), or a state dict saved by
+    ``torch.save`` / safetensors (timm's loader, weights only)."""
+    from safetensors.torch import load_file
+    from timm.models import load_state_dict
+
+    path = Path(file).expanduser()
+    if path.is_dir() and (path / "model.safetensors").is_file():  # a save_pretrained folder
+        path = path / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file {path}")
+    if path.suffix == ".safetensors":
+        config = _sealed_config(path, _side_copy(path))
+        return load_file(str(path)), config
+    return load_state_dict(str(path), weights_only=True), None
+
+
+def load_weights(module: nn.Module, file: str | Path) -> nn.Module:
+    """Load a weights file (``read_weights``) into the ssogvit model inside ``module`` (``target_model``: an smp
+    network, timm's ``features_only`` wrapper, a ``PyramidViT`` or a classifier), renamed by ``carry_state_dict``
+    and loaded strictly. A file that holds another model's config is refused naming both. Returns ``module``."""
+    model = target_model(module)
+    state, config = read_weights(file)
+    backbone = getattr(model, "backbone", model)
+    name = backbone.config.get("name") if hasattr(backbone, "config") else None
+    if config is not None and config.get("name") != name:
+        raise ValueError(f"{file} holds weights of {config.get('name')!r}, not of {name!r}")
+    try:
+        model.load_state_dict(carry_state_dict(state, model), strict=True)
+    except RuntimeError as err:
+        lines = str(err).splitlines()
+        first = lines[1].strip() if len(lines) > 1 else err
+        raise ValueError(f"{file} does not fit the {name} model built here ({first}"
+                         "): build it with the options the weights were trained with, or let timm build it from the "
+                         "file (pretrained=True, pretrained_cfg_overlay=dict(file=...))") from None
+    return module
+
+
+#: options of a segmentation export that are its pyramid's (kept by a pyramid model) or its head's (dropped)
+_PYRAMID_OPTIONS, _SEGMENTATION_HEAD = ("pyramid_dim", "feature_blocks"), ("task", "num_classes", "head_dim")
+
+
+def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """timm's pretrained config of a ``pretrained=True`` build (``pretrained_cfg_overlay=dict(file=...)``, a
+    ``local-dir:`` folder) and the ssogvit config the weights file holds (``None`` for a file of timm's or anyone's,
+    e.g. a timm ViT's state dict); a file that holds another model's weights is refused naming both."""
+    cfg = resolve_pretrained_cfg(tname, pretrained_cfg=kwargs.pop("pretrained_cfg", None),
+                                 pretrained_cfg_overlay=kwargs.pop("pretrained_cfg_overlay", None))
+    if not (cfg.file or cfg.url or cfg.hf_hub_id or cfg.state_dict):
+        raise ValueError(f"{tname}: ssogvit has no pretrained weights to download; load your own with "
+                         "pretrained_cfg_overlay=dict(file='.../model.safetensors')")
+    if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
+        _check_saved_folder(Path(cfg.file), name)
+    saved = None
+    if cfg.file and str(cfg.file).endswith(".safetensors"):
+        saved = _sealed_config(cfg.file, _side_copy(cfg.file))
+    if saved is not None and saved.get("name") != name:
+        raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
+    return cfg, saved
+
+
+def _given_cfg(tname: str, kwargs: dict[str, Any]) -> Any:
+    """The pretrained config resolved already (``_pretrained_cfg``), or the name's default with the caller's overlay."""
+    cfg = kwargs.pop("pretrained_cfg", None)
+    if isinstance(cfg, PretrainedCfg):
+        return cfg
+    overlay = kwargs.pop("pretrained_cfg_overlay", None)
+    return resolve_pretrained_cfg(tname, pretrained_cfg=cfg, pretrained_cfg_overlay=overlay)
+
+
+def _input_cfg(cfg: Any, kwargs: Mapping[str, Any], reduction: float | None = None) -> Any:
+    """``cfg`` describing the model built with ``kwargs``: its input size and channels (and, for a pyramid, the grid
+    of ``forward_features``), so ``timm.data.resolve_model_data_config`` and timm's tests read the model as built."""
+    img = kwargs.get("img_size", 224)
+    img = (img, img) if isinstance(img, int) else tuple(img)
+    cfg = replace(cfg, input_size=(kwargs.get("in_chans", cfg.input_size[0]), *img))
+    if reduction is not None:
+        cfg = replace(cfg, pool_size=tuple(-(-side // int(reduction)) for side in img))
+    return cfg
+
+
 def _timm_entrypoint(name: str):
     tname = timm_name(name)
 
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        placement = {k: kwargs.pop(k) for k in ("device", "dtype") if k in kwargs}
         if pretrained:
-            cfg = resolve_pretrained_cfg(
-                tname, pretrained_cfg=kwargs.pop("pretrained_cfg", None),
-                pretrained_cfg_overlay=kwargs.pop("pretrained_cfg_overlay", None),
-            )
-            if not (cfg.file or cfg.url or cfg.hf_hub_id or cfg.state_dict):
-                raise ValueError(
-                    f"{tname}: ssogvit has no pretrained weights to download; load your own with "
-                    "pretrained_cfg_overlay=dict(file='.../model.safetensors')"
-                )
-            if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
-                _check_saved_folder(Path(cfg.file), name)
-            saved = (_sealed_config(cfg.file, _side_copy(cfg.file))
-                     if cfg.file and str(cfg.file).endswith(".safetensors") else None)
+            cfg, saved = _pretrained_cfg(tname, name, kwargs)
             if saved is not None:  # an ssogvit export: the weights say how the model was built
-                if saved.get("name") != name:
-                    raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
                 for key, value in saved.items():
                     if key != "name":
                         kwargs.setdefault(key, value)
-                img = saved.get("img_size", 224)
-                img = (img, img) if isinstance(img, int) else tuple(img)
-                cfg = replace(cfg, num_classes=saved["num_classes"], input_size=(saved.get("in_chans", 3), *img))
+                cfg = replace(cfg, num_classes=saved.get("num_classes", cfg.num_classes))
             kwargs["pretrained_cfg"] = cfg
+        kwargs["pretrained_cfg"] = _input_cfg(_given_cfg(tname, kwargs), kwargs)
         return build_model_with_cfg(
-            partial(create_model, name), tname, pretrained, feature_cfg=dict(feature_cls="getter"), **kwargs
+            partial(create_model, name, **placement), tname, pretrained, feature_cfg=dict(feature_cls="getter"),
+            pretrained_filter_fn=carry_state_dict, **kwargs
         )
 
     entrypoint.__name__ = entrypoint.__qualname__ = tname
@@ -296,35 +388,60 @@ def _timm_entrypoint(name: str):
 
 
 #: timm's default pretrained configs of the registered names (no weights: ``file`` / ``url`` come as an overlay)
+_DEFAULT_CFG = dict(input_size=(3, 224, 224), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=1000,
+                    fixed_input_size=False, interpolation="bicubic", crop_pct=1.0, license="apache-2.0")
 default_cfgs = generate_default_cfgs({
-    timm_name(n): dict(
-        input_size=(3, 224, 224), mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=1000,
-        first_conv="patch_embed.proj", classifier="head", fixed_input_size=False, interpolation="bicubic",
-        crop_pct=1.0, license="apache-2.0",
-    )
-    for n in list_models()
+    **{timm_name(n): dict(_DEFAULT_CFG, first_conv="patch_embed.proj", classifier="head") for n in list_models()},
+    **{timm_name(n) + "_pyramid": dict(_DEFAULT_CFG, first_conv="backbone.patch_embed.proj", classifier="head.fc",
+                                       pool_size=(7, 7)) for n in list_models()},
 })
 
 
 def _pyramid_entrypoint(name: str):
-    """timm entry point ``ssogvit_<family>_<size>_<mixer>_pyramid``: the backbone and its simple feature pyramid as a
-    ``features_only`` model (``PyramidFeatures``), what segmentation_models_pytorch's ``tu-`` encoders build."""
+    """timm entry point ``ssogvit_<family>_<size>_<mixer>_pyramid``: a ``PyramidViT`` (backbone, simple feature
+    pyramid, a classifier on it); ``features_only=True`` gives the levels, what segmentation_models_pytorch's ``tu-``
+    encoders build; ``output_stride`` caps their reductions (``pyramid_scales``)."""
     tname = timm_name(name) + "_pyramid"
 
-    def entrypoint(pretrained: bool = False, *, features_only: bool = True, out_indices: Any = None,
-                   pyramid_dim: int = 256, feature_blocks: list[int] | None = None, **kwargs: Any) -> nn.Module:
+    def entrypoint(pretrained: bool = False, *, pyramid_dim: int = 256, feature_blocks: list[int] | None = None,
+                   output_stride: int | None = None, global_pool: str = "avg", drop_rate: float = 0.0,
+                   **kwargs: Any) -> nn.Module:
+        placement = {k: kwargs.pop(k) for k in ("device", "dtype") if k in kwargs}
+        pyramid = dict(pyramid_dim=pyramid_dim, feature_blocks=feature_blocks)
         if pretrained:
-            raise ValueError(f"{tname}: ssogvit has no pretrained weights to download (encoder_weights=None)")
-        if not features_only:
-            raise ValueError(f"{tname} is a feature pyramid: build it with features_only=True")
-        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
-            kwargs.pop(key, None)
-        backbone = create_model(name, **{**kwargs, "num_classes": 0})
-        levels = tuple(range(4)) if out_indices is None else tuple(out_indices)
-        return PyramidFeatures(backbone, pyramid_dim=pyramid_dim, feature_blocks=feature_blocks, out_indices=levels)
+            cfg, saved = _pretrained_cfg(tname, name, kwargs)
+            if saved is not None:  # the backbone (and a segmentation model's pyramid) as the weights were built
+                pyramid.update({k: saved[k] for k in _PYRAMID_OPTIONS if k in saved})
+                for key, value in saved.items():
+                    if key not in ("name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD):
+                        kwargs.setdefault(key, value)
+            kwargs["pretrained_cfg"] = cfg
+        kwargs.pop("global_pool", None)
+        patch = kwargs.get("patch_size", 16)
+        kwargs["pretrained_cfg"] = _input_cfg(_given_cfg(tname, kwargs), kwargs,
+                                              patch / min(pyramid_scales(patch, output_stride)))
+        if pretrained:
+            kwargs["pretrained_cfg"] = replace(kwargs["pretrained_cfg"], num_classes=kwargs.get("num_classes", 1000))
+
+        def build(num_classes: int = 1000, **backbone_options: Any) -> PyramidViT:
+            backbone = create_model(name, **{**backbone_options, "num_classes": 0})
+            config = {"name": name, **backbone_options, **pyramid, "output_stride": output_stride,
+                      "num_classes": num_classes}
+            return PyramidViT(backbone, num_classes=num_classes, global_pool=global_pool, drop_rate=drop_rate,
+                              output_stride=output_stride, config=config, **pyramid)
+
+        def build_placed(**options: Any) -> nn.Module:
+            return placed(partial(build, **options), **placement)
+
+        return build_model_with_cfg(
+            build_placed, tname, pretrained,
+            feature_cfg=dict(feature_cls="getter", out_indices=tuple(range(NUM_LEVELS))),
+            pretrained_filter_fn=carry_state_dict, **kwargs
+        )
 
     entrypoint.__name__ = entrypoint.__qualname__ = tname
-    entrypoint.__doc__ = f"``{name}`` with ViTDet's simple feature pyramid, strides p/4 to 2p (features only)."
+    entrypoint.__doc__ = (f"``{name}`` with ViTDet's simple feature pyramid and a classifier on it (``PyramidViT``); "
+                          "``features_only=True`` gives the levels, strides p/4 to 2p.")
     return entrypoint
 
 

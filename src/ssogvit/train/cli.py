@@ -175,8 +175,9 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from .errors import ConfigError
-    from .io import checkpoint_files, load_model
+    from .io import checkpoint_files, load_model, weights_path
 
+    args.ckpt = str(weights_path(args.ckpt))  # a save_pretrained folder stands for its model.safetensors
     other = [o for o in overrides if not split_override(o)[0].startswith("data") or "=" not in o]
     if other:
         raise ConfigError(f"unknown argument {other[0]!r}: eval takes its options and data overrides "

@@ -77,6 +77,15 @@ def _checkpoint_file(path: str | Path, what: str = "checkpoint") -> Path:
         raise CheckpointError(f"{str(err).removeprefix(f'{what}: ')}{hint}") from None
 
 
+def weights_path(path: str | Path) -> Path:
+    """``path``, or for a ``save_pretrained`` folder (``config.json`` and ``model.safetensors``) its
+    ``model.safetensors``: every command and loader that takes a checkpoint takes such a folder too."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "model.safetensors").is_file() and (p / "config.json").is_file():
+        return p / "model.safetensors"
+    return p
+
+
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Checkpoint files in `folder`, oldest first."""
     folder = Path(folder)
@@ -132,7 +141,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     """Every file a load of `path` reads or stands on: the file, the readable copies of its config beside it
     (`model.json`, a saved folder's `config.json`) and, for a file in a run folder (`checkpoints/`, `export/`), the
     run's `config.yaml` and `run.json`. A command's output may be none of them (`check_output_file(inputs=...)`)."""
-    p = Path(path).expanduser()
+    p = weights_path(path)
     files = [p, p.with_suffix(".json"), p.parent / "config.json"]
     if p.parent.name in ("checkpoints", "export"):
         files += [p.parent.parent / "config.yaml", p.parent.parent / "run.json"]
@@ -208,7 +217,7 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
         use_ema: take the EMA weights: from a checkpoint trained with EMA, or an EMA export (`model_ema.safetensors`);
             an export of the raw weights is refused, naming the EMA export beside it.
     """
-    path = Path(path).expanduser()
+    path = weights_path(path)
     if path.suffix != ".safetensors":
         ckpt = read_checkpoint(path, map_location)
         config = _config_from_ckpt(ckpt, path)
@@ -246,7 +255,7 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """The config dict (`create_model(**config)`) of a checkpoint or export."""
-    path = Path(path)
+    path = weights_path(path)
     if path.suffix == ".safetensors":
         return _read_export_config(_checkpoint_file(path, "export"))
     return _config_from_ckpt(read_checkpoint(path), path)
@@ -260,7 +269,8 @@ def _check_finite(state: Mapping[str, Tensor], path: Path) -> None:
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu", *, use_ema: bool = False) -> nn.Module:
-    """Rebuild a trained model from a Lightning `.ckpt` or an exported `.safetensors` (config beside it).
+    """Rebuild a trained model from a Lightning `.ckpt`, an exported `.safetensors` (config beside it) or a
+    `save_pretrained` folder (`weights_path`).
 
     Nothing from the file is executed: the checkpoint is read with `weights_only=True`, its digest checked, the
     config checked (`check_model_config`), the model built by `create_model(**config)` and the weights (all finite)
@@ -271,7 +281,7 @@ def load_model(path: str | Path, map_location: str | torch.device = "cpu", *, us
             export of the raw weights, weights that do not fit the config.
         NonFiniteError: weights holding NaN or infinity.
     """
-    path = Path(path).expanduser()
+    path = weights_path(path)
     state, config = read_state_dict(path, use_ema=use_ema, map_location=map_location)
     _check_finite(state, path)
     model = build_model(config)
