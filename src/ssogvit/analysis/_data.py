@@ -32,7 +32,8 @@ def data_config(dataset: str = "digits", ckpt: str | Path | None = None) -> dict
 
 
 def validation_set(cfg: dict[str, Any], img_size: int | None = None, limit: int | None = None) -> tuple[Tensor, Tensor]:
-    """Validation images `(n, C, S, S)` and labels `(n,)` at `img_size` (the config's by default), first `limit`."""
+    """Validation images `(n, C, S, S)` and labels at `img_size` (the config's by default), first `limit`: classes
+    `(n,)`, or per-pixel masks `(n, S, S)` of a segmentation dataset (docs/dense.md)."""
     from ssogvit.data import create_datamodule
 
     options = dict(cfg)
@@ -45,4 +46,4 @@ def validation_set(cfg: dict[str, Any], img_size: int | None = None, limit: int 
     dataset = dm.val_set
     n = len(dataset) if limit is None else min(limit, len(dataset))
     xs, ys = zip(*(dataset[i] for i in range(n)))
-    return torch.stack(xs), torch.tensor(ys)
+    return torch.stack(xs), torch.stack(ys) if isinstance(ys[0], Tensor) else torch.tensor(ys)

@@ -285,7 +285,7 @@ def run_fields(models, cfg, args, out: Path) -> dict:
     rows = [(label, a, local, peak) for label, s in summary.items()
             for a, local, peak in zip(s["applications"], s["local_3x3"], s["peak"])]
     md = (f"## Attention field of query cell {next(iter(summary.values()))['query']} on validation image "
-          f"{args.image_index} (label {int(labels[args.image_index])})\n\n"
+          f"{args.image_index} ({_label_text(labels[args.image_index])})\n\n"
           + markdown_table(["model", "application", "mass in 3x3 around query", "peak weight"], rows))
     files = _write(out, "fields", {"query": summary, "atom_pictures": [str(p) for p in pngs[:-1]]}, md, None)
     files["png"] = [str(p) for p in pngs]
@@ -298,6 +298,19 @@ def run_fields(models, cfg, args, out: Path) -> dict:
 
 RUNNERS = {"fields": run_fields, "atoms": run_atoms, "lipschitz": run_lipschitz, "sinks": run_sinks,
            "steering": run_steering, "transfer": run_transfer}
+
+
+def _analysed(model: nn.Module) -> nn.Module:
+    """What an analysis looks inside: the model, or a segmentation model's backbone, whose mixers and tokens are the
+    ones the analyses read (docs/analysis.md)."""
+    return model.backbone if getattr(model, "task", None) == "segmentation" else model
+
+
+def _label_text(label: torch.Tensor) -> str:
+    """An evaluation image's label as the fields table names it: its class, or the classes in its mask."""
+    if label.ndim == 0:
+        return f"label {int(label)}"
+    return "mask classes " + ", ".join(str(int(c)) for c in label.unique())
 
 
 def _slug(label: str) -> str:
@@ -338,6 +351,11 @@ def _run(args: argparse.Namespace) -> dict:
         raise OutputExistsError(f"--out: {', '.join(existing[:3])} already exist(s); pass {OVERWRITE_FLAG} to "
                                 "replace, or choose another folder", argument="--out")
     models, cfg = load_models(args)
+    segmentation = [label for label, m in models.items() if getattr(m, "task", None) == "segmentation"]
+    if segmentation and "transfer" in todo:  # top-1 of image classes: a segmentation model has none to give
+        raise UsageError(f"analyze transfer measures top-1 accuracy; {segmentation[0]} is a segmentation model: "
+                         "evaluate it at other sizes with ssogvit eval --img-size/--patch-size [--rescale-field]")
+    models = {label: _analysed(m) for label, m in models.items()}
     results = {}
     with staged_outputs(out, "--out", overwrite=args.overwrite) as stage:
         for what in todo:

@@ -25,6 +25,7 @@ from timm.layers import ConvNormAct, LayerNorm2d
 from timm.models import FeatureInfo
 from torch import Tensor, nn
 
+from ssogvit.errors import UsageError
 from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
 from ._common import VisionTransformerBase
@@ -213,6 +214,14 @@ class SegmentationModel(nn.Module):
         self.backbone.rescale_field(factor_y, factor_x)
         if "radius" in self.backbone.config:
             self.config["radius"] = self.backbone.config["radius"]
+
+    def save_pretrained(self, save_directory: Any, *, overwrite: bool = False) -> None:
+        """Refused in one line (`UsageError`): the hub layout (``config.json`` + ``model.safetensors``, timm's
+        ``local-dir:``) describes an image classifier by its timm architecture; a segmentation model is saved with
+        ``ssogvit.train.export_safetensors`` and read back with ``load_model`` (docs/dense.md)."""
+        raise UsageError("save_pretrained writes timm's hub layout of an image classifier; save a segmentation model "
+                         "with ssogvit.train.export_safetensors(model, path) and load it with "
+                         "ssogvit.train.load_model(path)")
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
