@@ -25,7 +25,7 @@ from timm.layers import ConvNormAct, LayerNorm2d
 from timm.models import FeatureInfo
 from torch import Tensor, nn
 
-from ssogvit.errors import UsageError
+from ssogvit.errors import InputError, UsageError
 from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
 from ._common import VisionTransformerBase
@@ -63,7 +63,8 @@ class SimpleFeaturePyramid(nn.Module):
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
         if in_channels < 4:
-            raise ValueError(f"the pyramid needs a backbone width of at least 4, got {in_channels}")
+            raise InputError(f"the pyramid needs a backbone width of at least 4, got {in_channels}",
+                             argument="embed_dim")
         levels = []
         for scale in PYRAMID_SCALES:
             resample, width = _resample(in_channels, scale)
@@ -101,11 +102,15 @@ class PyramidFeatures(nn.Module):
                  out_indices: tuple[int, ...] = tuple(range(NUM_LEVELS))) -> None:
         super().__init__()
         if feature_blocks is not None and max(feature_blocks) >= len(backbone.blocks):
-            raise ValueError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
-                             f"applications (0..{len(backbone.blocks) - 1})")
+            raise InputError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
+                             f"applications (0..{len(backbone.blocks) - 1})", argument="feature_blocks")
         bad = [i for i in out_indices if not 0 <= int(i) < NUM_LEVELS]
         if bad or not out_indices:
-            raise ValueError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}")
+            raise InputError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}",
+                             argument="out_indices")
+        if backbone.patch_size < 4:  # timm's FeatureInfo takes reductions of 1 pixel or more
+            raise InputError(f"patch_size={backbone.patch_size}: the feature pyramid's finest level is at stride "
+                             "patch_size/4, so a pyramid backbone takes patch_size >= 4", argument="patch_size")
         self.backbone = backbone
         self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim)
         self.feature_blocks = None if feature_blocks is None else [int(i) for i in feature_blocks]
@@ -180,8 +185,8 @@ class SegmentationModel(nn.Module):
                  config: dict[str, Any] | None = None) -> None:
         super().__init__()
         if feature_blocks is not None and len(feature_blocks) != NUM_LEVELS:
-            raise ValueError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
-                             f"({NUM_LEVELS}, finest first), or none for the last block's map")
+            raise InputError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
+                             f"({NUM_LEVELS}, finest first), or none for the last block's map", argument="feature_blocks")
         self.features = PyramidFeatures(backbone, pyramid_dim=pyramid_dim, feature_blocks=feature_blocks)
         self.head = SemanticFPNHead(pyramid_dim, head_dim, num_classes)
         self.num_classes = num_classes
