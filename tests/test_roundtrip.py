@@ -305,7 +305,7 @@ def _check_analyze(eager, path: Path, run: Path, model: tuple, tmp_path: Path, c
         got = analyze("sinks", ["--ckpt", str(path), "--out", str(tmp_path / "a"), "--num-images", "4"])["sinks"]
         images, _ = _data.validation_set(cfg, limit=4)
         want = sink_report(eager.backbone, images)
-        assert next(iter(got["summaries"].values())) == pytest.approx(want)
+        assert next(iter(got["summaries"].values())) == want  # the same weights: the same numbers
         capsys.readouterr()
         assert ssogvit_main(["analyze", "transfer", "--ckpt", str(path), "--out", str(tmp_path / "b")]) == 2
         err = capsys.readouterr().err
