@@ -42,9 +42,19 @@ MIXER_OPTIONS = {
 }
 
 
+#: the same options, drawn within what the declarations allow (the configs a forward is tested on)
+VALID_OPTIONS = {
+    "ssog": {"num_atoms": st.integers(1, 5), "radius": st.sampled_from([0.5, 2.0])},
+    "ssog-steered": {"num_atoms": st.integers(1, 5), "radius": st.sampled_from([0.5, 2.0])},
+    "window": {"window_size": st.integers(1, 5), "shift_size": st.just(0)},
+    "neighborhood": {"kernel_size": st.sampled_from([1, 3, 5])},
+}
+
+
 @st.composite
-def configs(draw) -> dict:
-    """A model config: `create_model(**config)`; some draws contradict the declarations on purpose."""
+def configs(draw, valid: bool = False) -> dict:
+    """A model config: `create_model(**config)`; unless `valid`, some draws contradict the declarations on purpose
+    (with `valid`, most build, so the properties of a built model see many)."""
     family = draw(st.sampled_from(list(FAMILIES)))
     mixer = draw(st.sampled_from(list_mixers()))
     patch = draw(st.integers(1, 6))
@@ -52,18 +62,19 @@ def configs(draw) -> dict:
     img = draw(side | st.tuples(side, side))
     config = {
         "name": f"{family}-tiny-{mixer}", "img_size": img, "patch_size": patch,
-        "embed_dim": draw(st.sampled_from([4, 6, 8, 12])), "num_heads": draw(st.integers(1, 4)),
-        "depth": draw(st.integers(0, 2)), "num_registers": draw(st.integers(0, 2)),
+        "embed_dim": draw(st.sampled_from([4, 6, 8, 12])), "num_heads": draw(st.sampled_from([1, 2]) if valid
+                                                                                else st.integers(1, 4)),
+        "depth": draw(st.integers(1 if valid else 0, 2)), "num_registers": draw(st.integers(0, 2)),
         "in_chans": draw(st.integers(1, 3)), "num_classes": draw(st.integers(0, 4)),
     }
     if draw(st.booleans()):
         config["global_pool"] = draw(st.sampled_from(["token", "avg", "max", ""]))
-    for key, values in MIXER_OPTIONS.get(mixer, {}).items():
+    for key, values in (VALID_OPTIONS if valid else MIXER_OPTIONS).get(mixer, {}).items():
         if draw(st.booleans()):
             config[key] = draw(values)
-    if draw(st.integers(0, 3)) == 0:
+    if draw(st.integers(0, 3)) == 0 and not (valid and patch < 4):
         config.update(task="segmentation", pyramid_dim=4, head_dim=4)
-        if draw(st.booleans()):
+        if draw(st.booleans()) and not valid:
             config["feature_blocks"] = draw(st.lists(st.integers(0, 2), min_size=1, max_size=4))
     return config
 
@@ -88,7 +99,7 @@ def _image_size(config: dict) -> tuple[int, int]:
 @st.composite
 def built(draw):
     """A config that builds, and its model (configs that are refused are drawn again)."""
-    config = draw(configs())
+    config = draw(configs(valid=True))
     model = _build(config)
     assume(model is not None)
     return config, model.eval()
