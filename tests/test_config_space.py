@@ -168,7 +168,7 @@ def test_forward_many(pair, batch, grid_h, grid_w, off):
 
 
 @given(pair=built())
-@settings(max_examples=15, **PROFILE)
+@settings(max_examples=10, **PROFILE)
 def test_export_and_load_give_identical_outputs(pair, tmp_path_factory):
     _check_round_trip(pair, tmp_path_factory)
 
