@@ -302,10 +302,8 @@ def run_fields(models, cfg, args, out: Path) -> dict:
     pngs.append(path)
     rows = [(label, a, local, peak) for label, s in summary.items()
             for a, local, peak in zip(s["applications"], s["local_3x3"], s["peak"])]
-    target = labels[args.image_index]
-    shown = f"label {int(target)}" if target.dim() == 0 else "a segmentation scene"
     md = (f"## Attention field of query cell {next(iter(summary.values()))['query']} on validation image "
-          f"{args.image_index} ({shown})\n\n"
+          f"{args.image_index} ({_label_text(labels[args.image_index])})\n\n"
           + markdown_table(["model", "application", "mass in 3x3 around query", "peak weight"], rows))
     files = _write(out, "fields", {"query": summary, "atom_pictures": [str(p) for p in pngs[:-1]]}, md, None)
     files["png"] = [str(p) for p in pngs]
@@ -318,6 +316,13 @@ def run_fields(models, cfg, args, out: Path) -> dict:
 
 RUNNERS = {"fields": run_fields, "atoms": run_atoms, "lipschitz": run_lipschitz, "sinks": run_sinks,
            "steering": run_steering, "transfer": run_transfer}
+
+
+def _label_text(label: torch.Tensor) -> str:
+    """An evaluation image's label as the fields table names it: its class, or the classes in its mask."""
+    if label.ndim == 0:
+        return f"label {int(label)}"
+    return "mask classes " + ", ".join(str(int(c)) for c in label.unique())
 
 
 def _slug(label: str) -> str:

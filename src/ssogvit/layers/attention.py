@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssogvit import ops
+from ssogvit.errors import InputError
 from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Flag, checked
 
 __all__ = ["Attention"]
@@ -45,7 +46,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+            raise InputError(f"dim ({dim}) must be divisible by num_heads ({num_heads})", argument="num_heads")
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ssogvit import core, ops, reference
 from ssogvit.backends.torch import default_head_chunk
+from ssogvit.errors import InputError
 from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
 
 __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "NUM_ATOMS", "RADIUS", "is_ssog"]
@@ -103,7 +104,7 @@ class SSoGAttention(nn.Module):
     ) -> None:
         super().__init__()
         if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+            raise InputError(f"dim ({dim}) must be divisible by num_heads ({num_heads})", argument="num_heads")
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads

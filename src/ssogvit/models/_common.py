@@ -20,6 +20,7 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
 from torch import Tensor, nn
 
+from ssogvit.errors import InputError
 from ssogvit.resources import check_memory
 from ssogvit.specs import (
     DEPTH,
@@ -306,10 +307,11 @@ class VisionTransformerBase(TimmVisionTransformer):
         if dynamic_img_pad:  # recorded only when set, so every config written before it stays as it was
             config["dynamic_img_pad"] = True
         if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise InputError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})",
+                             argument="num_heads")
         img_size = _image_size(img_size)
         if img_size[0] < patch_size or img_size[1] < patch_size:
-            raise ValueError(f"patch_size {patch_size} does not fit img_size {img_size}")
+            raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
         self._check_parameter_memory(embed_dim, depth, img_size, patch_size, in_chans, num_classes, mlp_ratio)
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
@@ -326,7 +328,8 @@ class VisionTransformerBase(TimmVisionTransformer):
                 weight_init="skip", block_fn=block_fn,
             )
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{name}: cannot build mixer {mixer!r} with options {mixer_options}: {err}") from err
+            raise InputError(f"{name}: cannot build mixer {mixer!r} with options {mixer_options}: {err}",
+                             argument="mixer_options") from err
         self.num_heads = num_heads
         self.depth = depth
         self.mixer_name = mixer
@@ -495,14 +498,14 @@ class VisionTransformerBase(TimmVisionTransformer):
         """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and their grid ``(Gh, Gw)``,
         which every block application takes as an argument."""
         if x.ndim != 4:
-            raise ValueError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}")
+            raise InputError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}", argument="images")
         if x.shape[0] == 0:  # refused, as every exported file refuses it (docs/models.md, Deployment)
-            raise ValueError(f"an empty batch {tuple(x.shape)}: a model takes 1 image or more")
+            raise InputError(f"an empty batch {tuple(x.shape)}: a model takes 1 image or more", argument="images")
         h, w = x.shape[-2:]
         p = self.patch_size
         if (h % p or w % p) and not self.patch_embed.dynamic_img_pad:
-            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {p} "
-                             "(dynamic_img_pad=True pads it instead)")
+            raise InputError(f"image size {h}x{w} is not divisible by the patch size {p} "
+                             "(dynamic_img_pad=True pads it instead)", argument="images")
         patches = self.patch_embed(x)  # (B, Gh, Gw, D)
         grid = (patches.shape[1], patches.shape[2])
         return self.norm_pre(self.patch_drop(self._pos_embed(patches))), grid

@@ -28,6 +28,7 @@ from timm.models import FeatureInfo
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
+from ssogvit.errors import InputError, UsageError
 from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
 from ._common import VisionTransformerBase
@@ -77,8 +78,8 @@ def _feature_info(patch_size: int, scales: tuple[float, ...], width: int) -> lis
 
 def _check_feature_blocks(backbone: VisionTransformerBase, feature_blocks: list[int] | None) -> list[int] | None:
     if feature_blocks is not None and max(feature_blocks) >= len(backbone.blocks):
-        raise ValueError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
-                         f"applications (0..{len(backbone.blocks) - 1})")
+        raise InputError(f"feature_blocks={list(feature_blocks)}: the backbone has {len(backbone.blocks)} block "
+                         f"applications (0..{len(backbone.blocks) - 1})", argument="feature_blocks")
     return None if feature_blocks is None else [int(i) for i in feature_blocks]
 
 
@@ -103,7 +104,8 @@ class SimpleFeaturePyramid(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, scales: tuple[float, ...] = PYRAMID_SCALES) -> None:
         super().__init__()
         if in_channels < 4:
-            raise ValueError(f"the pyramid needs a backbone width of at least 4, got {in_channels}")
+            raise InputError(f"the pyramid needs a backbone width of at least 4, got {in_channels}",
+                             argument="embed_dim")
         levels = []
         for scale in scales:
             resample, width = _resample(in_channels, scale)
@@ -143,7 +145,11 @@ class PyramidFeatures(nn.Module):
         feature_blocks = _check_feature_blocks(backbone, feature_blocks)
         bad = [i for i in out_indices if not 0 <= int(i) < NUM_LEVELS]
         if bad or not out_indices:
-            raise ValueError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}")
+            raise InputError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}",
+                             argument="out_indices")
+        if backbone.patch_size < 4:  # timm's FeatureInfo takes reductions of 1 pixel or more
+            raise InputError(f"patch_size={backbone.patch_size}: the feature pyramid's finest level is at stride "
+                             "patch_size/4, so a pyramid backbone takes patch_size >= 4", argument="patch_size")
         self.backbone = backbone
         self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim)
         self.feature_blocks = feature_blocks
@@ -323,8 +329,8 @@ class SegmentationModel(nn.Module):
                  config: dict[str, Any] | None = None) -> None:
         super().__init__()
         if feature_blocks is not None and len(feature_blocks) != NUM_LEVELS:
-            raise ValueError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
-                             f"({NUM_LEVELS}, finest first), or none for the last block's map")
+            raise InputError(f"feature_blocks={list(feature_blocks)}: give one block per pyramid level "
+                             f"({NUM_LEVELS}, finest first), or none for the last block's map", argument="feature_blocks")
         self.features = PyramidFeatures(backbone, pyramid_dim=pyramid_dim, feature_blocks=feature_blocks)
         self.head = SemanticFPNHead(pyramid_dim, head_dim, num_classes)
         self.num_classes = num_classes
@@ -357,6 +363,14 @@ class SegmentationModel(nn.Module):
         self.backbone.rescale_field(factor_y, factor_x)
         if "radius" in self.backbone.config:
             self.config["radius"] = self.backbone.config["radius"]
+
+    def save_pretrained(self, save_directory: Any, *, overwrite: bool = False) -> None:
+        """Refused in one line (`UsageError`): the hub layout (``config.json`` + ``model.safetensors``, timm's
+        ``local-dir:``) describes an image classifier by its timm architecture; a segmentation model is saved with
+        ``ssogvit.train.export_safetensors`` and read back with ``load_model`` (docs/dense.md)."""
+        raise UsageError("save_pretrained writes timm's hub layout of an image classifier; save a segmentation model "
+                         "with ssogvit.train.export_safetensors(model, path) and load it with "
+                         "ssogvit.train.load_model(path)")
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
