@@ -90,10 +90,17 @@ def test_a_saved_folder_is_sealed_and_its_config_json_is_checked_against_the_wei
     for loaded in (from_pretrained(folder), timm.create_model(f"local-dir:{folder}", pretrained=True),
                    load_model(folder / "model.safetensors")):
         assert torch.equal(loaded.eval()(x), model(x))
-    config = json.loads((folder / "config.json").read_text())
+    original = (folder / "config.json").read_text()
+    config = json.loads(original)
+    config["pretrained_cfg"]["mean"] = [0.0, 0.0, 0.0]  # timm's preprocessing reads it: the whole copy is sealed
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (from_pretrained, lambda f: timm.create_model(f"local-dir:{f}", pretrained=True)):
+        with pytest.raises(WeightsFileError, match=r"\(pretrained_cfg.mean: \[0.0, 0.0, 0.0\] in config.json"):
+            load(folder)
+    config = json.loads(original)
     config["model_args"]["depth"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(WeightsFileError, match=r"config.json does not match the config sealed in .*\(depth: 3"):
+    with pytest.raises(WeightsFileError, match=r"config.json does not match the config sealed in .*\(model_args.depth: 3"):
         from_pretrained(folder)
     with pytest.raises(WeightsFileError, match="does not match the config sealed"):
         timm.create_model(f"local-dir:{folder}", pretrained=True)

@@ -7,6 +7,7 @@ inside a block is chosen by name from the mixer registry, so an SSoG model and i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -478,7 +479,7 @@ class VisionTransformerBase(TimmVisionTransformer):
 
         def write(stage: Path) -> None:
             save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
-            seal_file(stage / "model.safetensors", self.config)
+            seal_file(stage / "model.safetensors", self.config, copy=json.loads((stage / "config.json").read_text()))
 
         return write_saved_folder(save_directory, write, overwrite=overwrite)
 

@@ -25,7 +25,7 @@ from ssogvit.errors import UserError
 from ssogvit.outputs import atomic_write
 
 __all__ = [
-    "DIGEST_KEY", "SEALED_KEY", "CONFIG_KEY", "WeightsFileError", "UnverifiedFileWarning", "content_digest",
+    "DIGEST_KEY", "SEALED_KEY", "CONFIG_KEY", "COPY_KEY", "WeightsFileError", "UnverifiedFileWarning", "content_digest",
     "seal", "seal_file", "verify", "header_config", "side_config", "file_config",
 ]
 
@@ -36,6 +36,9 @@ SEALED_KEY = "ssogvit_sealed"
 SEALED = "tensors+header"
 #: header entry holding the model config as JSON
 CONFIG_KEY = "model_config"
+#: header entry holding, as JSON, the whole readable copy written beside the file (a saved folder's `config.json`,
+#: whose `pretrained_cfg` (mean, std, input size) timm's data pipeline reads): a loader refuses a copy that differs
+COPY_KEY = "ssogvit_readable_copy"
 
 
 class WeightsFileError(UserError, ValueError):
@@ -79,14 +82,17 @@ def seal(state: Mapping[str, Tensor], config: Mapping[str, Any], metadata: Mappi
     return {**header, DIGEST_KEY: content_digest({"tensors": dict(state), "header": header})}
 
 
-def seal_file(path: str | Path, config: Mapping[str, Any]) -> None:
-    """Seal a safetensors file another writer made (timm's ``save_for_hf``) in place: same tensors, header `seal`ed.
-    For a file in a staging folder (`ssogvit.outputs.staged_outputs`), not yet published."""
+def seal_file(path: str | Path, config: Mapping[str, Any], copy: Mapping[str, Any] | None = None) -> None:
+    """Seal a safetensors file another writer made (timm's ``save_for_hf``) in place: same tensors, header `seal`ed,
+    with `copy` (the readable document beside it, whole) under `COPY_KEY`. For a file in a staging folder
+    (`ssogvit.outputs.staged_outputs`), not yet published."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         metadata = dict(f.metadata() or {})
+    if copy is not None:
+        metadata[COPY_KEY] = json.dumps(dict(copy), sort_keys=True)
     state = load_file(str(path))
     header = seal(state, config, metadata)
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=header), overwrite=True)
@@ -157,17 +163,36 @@ def file_config(path: str | Path, header: Mapping[str, str], side: tuple[Any, Pa
         if own is None:
             raise WeightsFileError(f"no config for {path}: its header holds none and no model.json is beside it")
         return own
+    sealed_copy = header.get(COPY_KEY)
+    if sealed_copy is not None:  # the whole document was sealed: every entry of it must hold, not only the model's
+        _refuse_differences(_flat(json.loads(sealed_copy)), _flat(_normal(side[0])), side[1], path)
     copy = side_config(*side, names)
     if own is None:
         warnings.warn(UnverifiedFileWarning(f"{path} holds no config of its own: the model is built from {side[1]}, "
                                             "unverified"), stacklevel=3)
         return copy
-    a, b = _normal(own), _normal(copy)
-    if a != b:
-        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        shown = ", ".join(f"{k}: {b.get(k, '(absent)')!r} in {side[1].name}, {a.get(k, '(absent)')!r} in the weights"
-                          for k in keys[:3])
-        raise WeightsFileError(f"{side[1]} does not match the config sealed in {path} ({shown}): the readable copy was "
-                               "edited or belongs to another file; the weights file's own config is the one that "
-                               f"holds: restore {side[1].name} or export the model again")
+    _refuse_differences(_normal(own), _normal(copy), side[1], path)
     return own
+
+
+def _flat(document: Any, prefix: str = "") -> dict[str, Any]:
+    """A JSON document's entries by dotted key (`pretrained_cfg.mean`)."""
+    if not isinstance(document, dict):
+        return {prefix: document}
+    out: dict[str, Any] = {}
+    for key, value in document.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)) if isinstance(value, dict)
+                   else {f"{prefix}.{key}" if prefix else str(key): value})
+    return out
+
+
+def _refuse_differences(sealed: Mapping[str, Any], copy: Mapping[str, Any], side: Path, path: str | Path) -> None:
+    """Raise `WeightsFileError` naming the entries (up to three) where the readable copy `side` differs from what is
+    sealed in `path`."""
+    keys = sorted(k for k in set(sealed) | set(copy) if sealed.get(k, "(absent)") != copy.get(k, "(absent)"))
+    if keys:
+        shown = ", ".join(f"{k}: {copy.get(k, '(absent)')!r} in {side.name}, {sealed.get(k, '(absent)')!r} in the "
+                          "weights" for k in keys[:3])
+        raise WeightsFileError(f"{side} does not match the config sealed in {path} ({shown}): the readable copy was "
+                               "edited or belongs to another file; the weights file's own config is the one that "
+                               f"holds: restore {side.name} or export the model again")
