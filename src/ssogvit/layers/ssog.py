@@ -176,8 +176,9 @@ class SSoGAttention(nn.Module):
         return (self.cache_kernels and not torch.is_grad_enabled() and not core.functional_only()
                 and not torch.compiler.is_compiling())
 
-    def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """``(K^y, K^x, lambda)`` in ``dtype``; in inference (no grad, not traced or compiled) kept until the parameters
+    def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype, *, bands: bool = False) -> tuple:
+        """``(K^y, K^x, lambda)`` in ``dtype``, and with ``bands`` the rows' (``core.field_bands`` for the working
+        precision ``dtype``) as a fourth; in inference (no grad, not traced or compiled) kept until the parameters
         or the grid change. Under ``torch.compile`` the tables are always built, inside the compiled graph: the cache
         is Python state the compiler would have to guard on.
 
@@ -190,12 +191,13 @@ class SSoGAttention(nn.Module):
             cached = self._kernel_cache
             if (cached is not None and cached[0] == (tuple(grid), dtype, self.mu.device)
                     and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(cached[1], values))):
-                return cached[2]
+                return cached[2] if bands else cached[2][:3]
         ky, kx = self.axis_kernels(grid)
-        tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype))
+        scale = core.kernel_scale(self.sigma(), self._tau_hr()[..., None])
+        tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype), core.field_bands(self.mu, scale, grid, dtype))
         if use_cache:
             self._kernel_cache = ((tuple(grid), dtype, self.mu.device), tuple(v.clone() for v in values), tables)
-        return tables
+        return tables if bands else tables[:3]
 
     def _steering(self) -> tuple[Tensor, ...]:
         """The steering parameters in ``core.token_geometry``'s order: the gates' ``alpha``, then each map's weight
@@ -253,9 +255,10 @@ class SSoGAttention(nn.Module):
                 steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
             )
         elif self._tables_cached():
-            ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
+            ky, kx, lam, bands = self._fixed_kernels((gh, gw), values.dtype, bands=True)
             mixed = ops.ssog_mix(
-                values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
+                values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace,
+                bands=bands,
             )
         else:  # training, tracing, compiling: the tables are built from the field inside the mixing
             mixed = ops.ssog_mix_field(values, (gh, gw), self.mu, self.sigma(), self.mixture(), self.tau(),
