@@ -246,10 +246,12 @@ class SSoGAttention(nn.Module):
         training = torch.is_grad_enabled() and values.requires_grad
         inplace = not training and not core.functional_only() and not torch.compiler.is_compiling()
         if self.steer:
-            chunk = self.head_chunk or default_head_chunk(
-                (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
-                itemsize=values.element_size(),
-            )
+            chunk = self.head_chunk
+            if chunk is None and not core.functional_only():  # traced or exported, the mixing is the einsum path,
+                chunk = default_head_chunk(  # which has no chunks; the sizing would guard a dynamic grid's range
+                    (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
+                    itemsize=values.element_size(),
+                )
             mixed = ops.ssog_mix_steered_by_tokens(
                 values, (gh, gw), x[:, p:], self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
                 steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
