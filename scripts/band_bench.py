@@ -16,16 +16,19 @@ import subprocess
 import sys
 
 
-def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, dim: int, heads: int, calls: int) -> dict:
+def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, dim: int, heads: int, calls: int,
+           threads: int) -> dict:
     """One point, in this process: the mixer's forward (inference) or forward and backward (training step), the
     median of ``calls`` timed calls after two warm-up calls."""
     import time
 
     import torch
 
+    from ssogvit import core
     from ssogvit.backends import cpu
     from ssogvit.layers import create_mixer
 
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     cpu.BAND_FRACTION = 1.0 if banded else -1.0  # always banded, or never
     mixer = create_mixer(kind, dim=dim, num_heads=heads)
@@ -48,7 +51,6 @@ def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, dim: i
         if i >= 2:
             times.append(time.perf_counter() - start)
     scale = torch.rsqrt(torch.tensor(2.0 * float(mixer.tau()))) / mixer.sigma().detach()
-    from ssogvit import core
     bands = core.field_bands(mixer.mu.detach(), scale, (side, side), torch.float32)
     fraction = float(sum(((b[..., 1] - b[..., 0]) / side).float().mean() for b in bands) / 2)
     return {"ms": 1e3 * statistics.median(times), "band_fraction": fraction}
@@ -64,19 +66,24 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per point (1: steadier on a shared "
+                        "machine)")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # internal: run one point, print its JSON
     args = parser.parse_args()
     if args.point:
         print(json.dumps(_point(**json.loads(args.point))))
         return
     points = [dict(kind=k, side=n, sigma=s, banded=b, train=args.train, dim=args.dim, heads=args.heads,
-                   calls=args.calls) for k in args.kinds for n in args.sides for s in args.sigmas for b in (False, True)]
+                   calls=args.calls, threads=args.threads)
+              for k in args.kinds for n in args.sides for s in args.sigmas for b in (False, True)]
     results: dict[int, list[dict]] = {i: [] for i in range(len(points))}
     for _ in range(args.repeats):  # interleaved: every point once per round, each in a fresh process
         for i, point in enumerate(points):
             done = subprocess.run([sys.executable, __file__, "--point", json.dumps(point)], capture_output=True,
                                   text=True, check=True)
             results[i].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"# {point['kind']} side {point['side']} sigma {point['sigma']} banded {point['banded']}: "
+                  f"{results[i][-1]['ms']:.2f} ms", flush=True)
     print(f"{'mixer':14} {'side':>5} {'sigma':>6} {'band/row':>8} {'dense ms':>10} {'banded ms':>10} {'ratio':>6}")
     for i in range(0, len(points), 2):
         dense, band = (statistics.median(r["ms"] for r in results[j]) for j in (i, i + 1))
