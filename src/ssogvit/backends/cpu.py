@@ -166,9 +166,18 @@ BAND_FRACTION = 0.5
 
 
 def banded(band: Tensor, length: int | Tensor) -> bool:
-    """Whether the bands ``(..., 2)`` (``core.axis_band``) of rows of ``length`` entries make the banded mixing
-    faster than the dense one: their mean length at most ``BAND_FRACTION`` of the row's."""
+    """Whether bands ``(..., 2)`` (``core.axis_band``) of rows of ``length`` entries make the banded mixing faster
+    than the dense one: their mean length at most ``BAND_FRACTION`` of the row's."""
     return bool(((band[..., 1] - band[..., 0]) / length).mean() <= BAND_FRACTION)
+
+
+def may_band(scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> bool:
+    """``banded`` asked before the bands are built, of their interior length ``2 floor(w) + 1`` (at most the row;
+    ``w = core.band_halfwidth``), which no row's band exceeds: a field whose bands cannot pay costs no more than a
+    few numbers per atom (``scale`` ``(..., 2)``, axis order ``(y, x)``)."""
+    lengths = torch.tensor(grid, dtype=torch.float64)
+    interior = (2 * core.band_halfwidth(scale, dtype).floor() + 1).minimum(lengths)
+    return bool((interior / lengths).mean() <= BAND_FRACTION)
 
 
 def _narrow(bands: tuple[Tensor, ...] | None, *lengths: int | Tensor) -> tuple[Tensor, ...] | None:
@@ -275,7 +284,8 @@ def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int
 
 def _steered_into(out: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, grid: tuple[int, int]) -> None:
     """The steered mixing into ``out``, banded where that pays (``core.token_bands``, ``banded``)."""
-    band = _narrow((core.token_bands(mu, scale, grid, values.dtype),), torch.tensor(grid))
+    band = _narrow((core.token_bands(mu, scale, grid, values.dtype),), torch.tensor(grid)) if may_band(
+        scale, grid, values.dtype) else None
     _mix_into(out, values, grid, *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()),
               bands=band and (band[0][..., 0, :], band[0][..., 1, :]))
 
@@ -347,8 +357,8 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
     ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, core.field_bands(mu, scale, (gh, gw),
-                                                                                      values.dtype))
+    bands = core.field_bands(mu, scale, (gh, gw), values.dtype) if may_band(scale, (gh, gw), values.dtype) else None
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, bands)
     return out
 
 
