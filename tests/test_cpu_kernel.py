@@ -456,3 +456,127 @@ def test_built_once_cached_replaced_without_a_compiler_and_loading_it_leaves_den
     torch.testing.assert_close(torch.tensor(broken["y"]), torch.tensor(first["y"]), rtol=2e-6, atol=2e-6)
     off = _child(tmp_path / "off", SSOGVIT_CPU_KERNEL="0")
     assert not off["used"] and off["warnings"] == [] and not (tmp_path / "off" / "cache").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bands (docs/operator.md, "Bands")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_band_leaves_out_at_most_the_unit_roundoff_of_each_row(dtype):
+    """``core.axis_band`` of centres inside and far outside the grid, widths from a tenth of a cell to wider than the
+    row: the mass of the dense float64 row outside the band is at most ``finfo(dtype).eps / 2``, the band is never
+    empty and holds the row's largest entry; narrow rows keep a band much shorter than the row."""
+    g = torch.Generator().manual_seed(3)
+    for length in (1, 2, 9, 40, 160):
+        mu = torch.cat([torch.randn(150, generator=g) * 4, torch.tensor([-1e3, 1e3, 0.5, -0.5])]).double()
+        sigma = torch.exp(torch.rand(mu.shape, generator=g).double() * 7 - 2.5)  # 0.08 to 90 cells
+        tau = torch.tensor(0.7, dtype=torch.float64)
+        rows = reference.dense_axis_kernel(length, mu, sigma, tau)  # (S, L, L)
+        band = core.axis_band(torch.arange(length)[None, :], mu[:, None], core.kernel_scale(sigma, tau)[:, None],
+                              length, dtype).long()
+        lo, hi = band[..., :1], band[..., 1:]
+        j = torch.arange(length)
+        inside = (j >= lo) & (j < hi)
+        assert (lo >= 0).all() and (hi <= length).all() and (hi > lo).all()
+        assert inside.gather(-1, rows.argmax(-1, keepdim=True)).all()
+        left_out = (rows * ~inside).sum(-1)
+        assert float(left_out.max()) <= torch.finfo(dtype).eps / 2, (length, float(left_out.max()))
+        if length == 160:
+            narrow = sigma < 1
+            assert float((hi - lo)[narrow].float().mean()) < 0.1 * length
+
+
+def _forced_bands(monkeypatch):
+    """Bands read wherever given (``BAND_FRACTION`` above any fraction), and a record of the calls that had them."""
+    assert cpu.available()  # its first-use check done before the record starts
+    used = []
+    mix_into = cpu._mix_into
+    monkeypatch.setattr(cpu, "BAND_FRACTION", 1.0)
+    monkeypatch.setattr(cpu, "_mix_into", lambda *a, bands=None, **k: used.append(bands is not None) or
+                        mix_into(*a, bands=bands, **k))
+    return used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grid,prefix,wide", [((23, 31), 1, False), ((6, 29), 2, False), ((9, 13), 0, True)])
+def test_the_banded_mixing_equals_the_dense_reference_forward_and_backward(monkeypatch, dtype, grid, prefix, wide):
+    """Fixed (the field's own op, and tables with their bands in inference) and steered, with the bands forced: the
+    output and the gradients of the values and of every field parameter against autograd through the dense float64
+    reference, to the tolerance of the dense kernels; rectangular grids, prefix tokens, and atoms so wide (``wide``)
+    that the band is the whole row."""
+    used = _forced_bands(monkeypatch)
+    g = torch.Generator().manual_seed(8)
+    h, r, dh, b = 2, 3, 5, 2
+    n = grid[0] * grid[1]
+    values = torch.randn(b, prefix + n, h * dh, generator=g, dtype=dtype)
+    grad = torch.randn(values.shape, generator=g, dtype=dtype)
+    scale = 40.0 if wide else 1.0
+    mu = torch.randn(h, r, 2, generator=g, dtype=dtype) * 3
+    sigma = (torch.rand(h, r, 2, generator=g, dtype=dtype) + 0.3) * scale
+    lam = torch.softmax(torch.randn(h, r, generator=g, dtype=dtype), -1)
+    tau = torch.tensor(0.8, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+    band_y, band_x = core.field_bands(mu, core.kernel_scale(sigma, tau), grid, dtype)
+    assert wide == all(bool((b[..., 1] - b[..., 0] == m).all()) for b, m in zip((band_y, band_x), grid))
+
+    dense_in = [t.detach().double().requires_grad_() for t in (values, mu, sigma, lam, tau)]
+    want = reference.dense_mix(reference.with_prefix(reference.dense_fixed_matrix(*dense_in[1:], grid), prefix),
+                               dense_in[0])
+    want = (want, *torch.autograd.grad(want, dense_in, grad.double()))
+    inputs = [t.clone().requires_grad_() for t in (values, mu, sigma, lam, tau)]
+    out = ops.ssog_mix_field(inputs[0], grid, *inputs[1:], impl="cpu")
+    for name, x, y in zip(("out", "values", "mu", "sigma", "lam", "tau"),
+                          (out, *torch.autograd.grad(out, inputs, grad)), want):
+        assert _close(x, y, tol), ("fixed", name)
+    ky, kx = (core.axis_kernels(m, mu[..., i], sigma[..., i], tau).to(dtype) for i, m in enumerate(grid))
+    inplace = values.clone()
+    assert ops.ssog_mix(inplace, grid, ky, kx, lam, impl="cpu", inplace=True, bands=(band_y, band_x)) is inplace
+    assert _close(inplace, want[0], tol)
+
+    mu_n = mu + torch.randn(b, n, h, r, 2, generator=g, dtype=dtype)  # per-token geometry
+    sigma_n = sigma * torch.exp(torch.randn(b, n, h, r, 2, generator=g, dtype=dtype) * 0.3)
+    lam_n = torch.softmax(torch.randn(b, n, h, r, generator=g, dtype=dtype), -1)
+    dense_in = [t.detach().double().requires_grad_() for t in (values, mu_n, sigma_n, lam_n)]
+    want = _dense_steered(dense_in[0], *dense_in[1:], tau, grid, prefix)
+    want = (want, *torch.autograd.grad(want, dense_in, grad.double()))
+    inputs = [t.clone().requires_grad_() for t in (values, mu_n, sigma_n, lam_n)]
+    out = ops.ssog_mix_steered(inputs[0], grid, *inputs[1:], tau, impl="cpu")
+    for name, x, y in zip(("out", "values", "mu", "sigma", "lam"), (out, *torch.autograd.grad(out, inputs, grad)),
+                          want):
+        assert _close(x, y, tol), ("steered", name)
+    assert used == [True] * 3, used  # the field's op, the tables' in place, the steered forward: all banded
+
+
+def test_the_banded_mixing_is_taken_where_the_bands_are_short_and_keeps_non_finite_values_as_the_dense_one(
+        monkeypatch):
+    """``impl="auto"`` reads the bands where their mean length is at most ``BAND_FRACTION`` of the row (a narrow
+    field on a 64 x 48 grid), not where it is more (a 6 x 5 grid); a value that is infinite far from a row's band
+    meets that row's zero weights as in the dense mixing (NaN at the same places as the torch backend)."""
+    assert cpu.available()
+    used = []
+    mix_into = cpu._mix_into
+    monkeypatch.setattr(cpu, "_mix_into", lambda *a, bands=None, **k: used.append(bands is not None) or
+                        mix_into(*a, bands=bands, **k))
+    mixer = SSoGAttentionFor(num_heads=2)
+    for grid in ((64, 48), (6, 5)):
+        x = torch.randn(1, 1 + grid[0] * grid[1], 16)
+        with torch.no_grad():
+            mixer(x, grid)
+        mixer(x, grid).sum().backward()
+    assert used == [True, True, False, False]
+    values = torch.randn(1, 64 * 48, 16)
+    values[0, 5, 3] = float("inf")
+    mu, sigma, lam = torch.zeros(2, 2, 2), torch.full((2, 2, 2), 0.7), torch.full((2, 2), 0.5)
+    tau = torch.tensor(1.0)
+    got, want = (ops.ssog_mix_field(values, (64, 48), mu, sigma, lam, tau, impl=impl) for impl in ("cpu", "stacked"))
+    assert used[-1] and (got.isnan() == want.isnan()).all() and got.isnan().any()
+    finite = want.isfinite()
+    assert _close(got[finite], want[finite], 1e-5)
+
+
+def SSoGAttentionFor(num_heads):
+    from ssogvit.layers import create_mixer
+
+    torch.manual_seed(0)
+    return create_mixer("ssog", dim=16, num_heads=num_heads, impl="cpu")

@@ -428,6 +428,28 @@ def test_exported_model_computes_what_the_eager_model_computes_at_other_shapes(f
             load_exported(path, format=fmt)(torch.randn(1, 3, 40, 48))
 
 
+def test_the_steered_model_exports_with_bounded_dynamic_sides(monkeypatch):
+    """Issue 34, 5: ``torch.export`` with ``Dim("H", min=2, max=64) * patch`` keeps the declared range and computes
+    what the eager model computes at both ends of it; the head-chunk sizing, whose arithmetic guards the grid, is not
+    traced (an exported steered mixing is the einsum path, which has no chunks)."""
+    import ssogvit.layers.ssog as ssog_layer
+
+    torch.manual_seed(0)
+    model = open_steering(create_model("vit-tiny-ssog-steered", **{**TINY, **SMALL, "depth": 1, "patch_size": 4}))
+    sized = []
+    monkeypatch.setattr(ssog_layer, "default_head_chunk", lambda *a, **k: sized.append(a) or 1)
+    side = {2: 4 * torch.export.Dim("H", min=2, max=64), 3: 4 * torch.export.Dim("W", min=2, max=64)}
+    with torch.enable_grad():  # parameters that want grads: the training-time sizing is the one that guarded
+        program = torch.export.export(model, (torch.randn(2, 3, 32, 32),), dynamic_shapes=(side,))
+    assert sized == []
+    ranges = [(int(r.lower), int(r.upper)) for r in program.range_constraints.values()]
+    assert ranges.count((2, 64)) == 2, ranges  # H and W as declared (and 4 H, 4 W beside them)
+    with torch.no_grad():
+        for shape in ((2, 3, 8, 8), (2, 3, 256, 12)):  # grids 2 x 2 and 64 x 3: the ends of the range
+            x = torch.randn(shape)
+            assert torch.allclose(program.module()(x), model(x), atol=1e-5), shape
+
+
 def test_a_dynamic_export_is_not_traced_at_a_size_an_exporter_would_fix(tmp_path):
     model = create_model("vit-tiny-ssog", **{**TINY, **SMALL, "depth": 1}).eval()
     with pytest.raises(ValueError, match="dynamic batch is traced at batch 2 or more"):

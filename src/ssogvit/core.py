@@ -11,6 +11,7 @@ dense ``N x N`` matrix from the definitions, for tests and diagnostics. Shapes u
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 
@@ -19,9 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "axis_band",
     "axis_kernels",
     "axis_rows",
+    "band_halfwidth",
     "check_grid",
+    "field_bands",
     "field_sigma",
     "field_tau",
     "flush_tiny",
@@ -37,6 +41,7 @@ __all__ = [
     "prefix_pool",
     "steer_gate",
     "steered_geometry",
+    "token_bands",
     "token_geometry",
 ]
 
@@ -348,6 +353,55 @@ def axis_rows(length: int, mu: Tensor, scale: Tensor) -> Tensor:
     ``S + (L, L)``."""
     delta = grid_offsets(length, mu.dtype, mu.device)  # (L, L): source j minus query i, exact integers
     return gaussian_rows(delta, mu[..., None, None], scale[..., None, None])
+
+
+def band_halfwidth(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """The half-width ``w`` (grid cells) of a kernel row's band: the entries farther than ``w`` from the row's centre
+    (clamped to the grid) hold at most ``u = finfo(dtype).eps / 2`` of the row's mass, the unit roundoff of the
+    working precision. With ``a = s^2`` and ``T = ln(2 / u)`` (docs/operator.md, "Bands", derives it):
+    ``w = sqrt((T + ln(1 + 1 / (2 sqrt(a T)))) / a + 1/4)``. Float64."""
+    t = math.log(4.0 / torch.finfo(dtype).eps)
+    inv = 1.0 / scale.to(torch.float64)  # 1 / sqrt(a)
+    return (inv * (0.5 / math.sqrt(t))).log1p_().add_(t).mul_(inv.square()).add_(0.25).sqrt_()
+
+
+def axis_band(query: Tensor, mu: Tensor, scale: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """The band ``[lo, hi)`` of the kernel row of query position ``query`` (the one definition of the bands; docs/
+    operator.md, "Bands"): the source positions ``j`` with ``|j - c| <= band_halfwidth(scale)``, ``c`` the centre
+    ``query + mu`` clamped to the grid ``[0, length - 1]``; never empty. Outside it the row holds at most the unit
+    roundoff of ``dtype`` (the values' dtype). A NaN centre or width gives the whole row, as do a width of zero
+    (``scale = 0``); an infinite centre or ``scale`` gives a row of NaN in the kernels (softmax of ``-inf`` or
+    ``0 * inf``), of which the band keeps at least one entry.
+
+    Args:
+        query, mu, scale: broadcastable to one shape ``S``.
+        length: the axis length ``L``.
+        dtype: the working precision.
+
+    Returns:
+        int32 ``S + (2,)``: ``lo`` and ``hi`` (exclusive), ``0 <= lo < hi <= L``.
+    """
+    w = band_halfwidth(scale, dtype)
+    centre = (query + mu.to(torch.float64)).clamp_(0, length - 1)
+    lo = torch.sub(centre, w).ceil_().clamp_(0, length - 1).nan_to_num_(0.0)
+    hi = centre.add_(w).floor_().clamp_(0, length - 1).add_(1).nan_to_num_(length)
+    return torch.stack(torch.broadcast_tensors(lo, hi), -1).to(torch.int32)
+
+
+def field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The fixed field's bands (``axis_band``) ``(H, R, Gh, 2)`` and ``(H, R, Gw, 2)``: of each atom's kernel row of
+    each query position; ``mu``, ``scale`` ``(H, R, 2)``, axis order ``(y, x)``."""
+    return tuple(axis_band(torch.arange(n, device=mu.device), mu[..., i, None], scale[..., i, None], n, dtype)
+                 for i, n in enumerate(grid))
+
+
+def token_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """The steered geometry's bands (``axis_band``) ``(B, N, H, R, 2, 2)``: per token, atom and axis ``(y, x)``, of
+    the kernel row of the token's own query index (docs/operator.md, "Steered mixing"); ``mu``, ``scale``
+    broadcastable to ``(B, N, H, R, 2)``."""
+    (gh, gw), tokens = grid, torch.arange(grid[0] * grid[1], device=mu.device).view(-1, 1, 1)
+    query = (tokens // gw, tokens % gw)
+    return torch.stack([axis_band(query[i], mu[..., i], scale[..., i], n, dtype) for i, n in enumerate(grid)], -2)
 
 
 def prefix_pool(patches: Tensor, num_prefix: int) -> Tensor:

@@ -129,6 +129,7 @@ def ssog_mix(
     impl: str = "auto",
     inplace: bool = False,
     head_chunk: int | None = None,
+    bands: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Separable fixed-SSoG mixing of all tokens (docs/operator.md, "Fixed mixing"): prefix tokens get the mean patch
     value, patches
@@ -148,6 +149,9 @@ def ssog_mix(
             activation-sized buffer less (``"triton"`` and ``"einsum"`` ignore it).
         head_chunk: heads mixed together by ``"stacked"``'s forward (one batched matmul per pass for the chunk instead
             of one per head). ``None`` picks by size (``backends.torch.default_mix_head_chunk``).
+        bands: the bands of the tables' rows, ``(H, R, Gh, 2)`` and ``(H, R, Gw, 2)`` (``core.field_bands`` of the
+            field the tables come from), or ``None``: in inference the C kernel then reads only the bands, where
+            that is faster (docs/operator.md, "Bands"). Tables that are not a field's rows must not be given bands.
 
     Returns:
         Mixed values ``(B, P + N, D)``.
@@ -158,11 +162,11 @@ def ssog_mix(
         raise ValueError(f"expected ky (H, R, Gh, Gh), kx (H, R, Gw, Gw) and lam (H, R) for the grid {grid} with H "
                          f"dividing the values' width {values.shape[-1]}, got {tuple(ky.shape)}, {tuple(kx.shape)} "
                          f"and {tuple(lam.shape)}")
-    return _mix_fixed(values, grid, ky, kx, lam, impl, inplace, head_chunk)
+    return _mix_fixed(values, grid, ky, kx, lam, impl, inplace, head_chunk, bands)
 
 
 def _mix_fixed(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, impl: str, inplace: bool,
-               head_chunk: int | None) -> Tensor:
+               head_chunk: int | None, bands: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``ssog_mix`` after its checks: it trusts its caller for the grid (ints, fitting the values) and the shapes."""
     grad_needed = _grad_needed(values, ky, kx, lam)
     _check_inplace("ssog_mix", inplace, grad_needed)
@@ -171,7 +175,8 @@ def _mix_fixed(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, la
         return core.mix_fixed(values, grid, ky, kx, lam)
     if grad_needed:
         return _FixedMix.apply(values, ky, kx, lam, grid, name, head_chunk)
-    return _BACKENDS[name].fixed_forward(values, grid, ky, kx, lam, inplace=inplace, head_chunk=head_chunk)
+    banded = {"bands": bands} if name == "cpu" and bands is not None else {}  # the C kernel's alone
+    return _BACKENDS[name].fixed_forward(values, grid, ky, kx, lam, inplace=inplace, head_chunk=head_chunk, **banded)
 
 
 def ssog_mix_field(

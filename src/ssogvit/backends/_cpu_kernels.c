@@ -211,15 +211,27 @@ typedef int32_t f64_ints __attribute__((vector_size(VEC_BYTES / 2)));
  * K^x laid out (H, Gw, R, Gw) for the row pass (`wx`), both contiguous (core.mix_fixed's lam K^y and K^x: the
  * torch backend's factors, so that exact zeros, and the non-finite numbers they meet, are the same). `work`:
  * ssog_mix_work(...) numbers for each of `threads` threads (allocated by the caller, so that PyTorch's allocator
- * counts them). */
+ * counts them). Bands (docs/operator.md, "Bands"): NULL `by`, `bx` mix every entry; else each kernel row's
+ * [lo, hi) (int32 pairs, core.axis_band) bounds the entries the passes read: fixed, by (H, R, Gh, 2) and bx
+ * (H, R, Gw, 2); steered, one array (B, N, H, R, 2, 2), axis then [lo, hi), passed as by = band and bx = band + 2.
+ * A head whose values are not all finite is mixed whole, so that an infinity meets the zeros it meets there. */
+/* The union [lo, hi) of `count` bands (int32 [lo, hi) pairs, `stride` ints apart). */
+static inline void band_union(const int32_t *band, int64_t stride, int64_t count, int64_t *lo, int64_t *hi) {
+    *lo = band[0], *hi = band[1];
+    for (int64_t i = 1; i < count; ++i) {
+        *lo = band[i * stride] < *lo ? band[i * stride] : *lo;
+        *hi = band[i * stride + 1] > *hi ? band[i * stride + 1] : *hi;
+    }
+}
+
 int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * SSOG_LANES(gw);
 }
 
 #define SSOG_MIX(NAME, ROWS, GEMM, T)                                                                                 \
-    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, const T *ky, const T *wx, T *work,           \
-              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t o_sb, int64_t o_st, int64_t p,          \
-              int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {                                         \
+    void NAME(const T *v, T *out, const T *mu, const T *s, const T *lam, const T *ky, const T *wx, const int32_t *by, \
+              const int32_t *bx, T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t o_sb,       \
+              int64_t o_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {                \
         int64_t n = gh * gw, units = b * heads, size = ssog_mix_work(gh, gw, r, dh);                                  \
         int64_t macs = n * r * (gh + gw) * dh; /* per unit: units this large go to the threads */                     \
         SSOG_UNITS_BEGIN                                                                                              \
@@ -229,23 +241,41 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             T *mixed = work + omp_get_thread_num() * size, *cols = mixed + n * dh, *u = cols + n * dh;                \
             T *tab = u + r * gw * dh;                                                                                 \
             const T *vb = v + bi * v_sb + p * v_st + h * dh;                                                          \
+            int banded = by != NULL;                                                                                  \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
+            for (int64_t e = 0; banded && e < n * dh; ++e)                                                            \
+                banded = isfinite(cols[e]);                                                                           \
             for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
                 /* column pass, U[:, k] for each column k: the y-rows of the tokens (iy, k) (steered: built here,     \
                    the tokens along the lanes, cp apart; fixed: row iy of the field's table, atoms Gh * Gh apart) */  \
                 int64_t gi = ((bi * n + iy * gw) * heads + h) * r, cp = SSOG_LANES(gw); /* token (iy, 0) */           \
                 if (!ky)                                                                                              \
                     ROWS(tab, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * heads * r, 0, gw, (int)iy, 0, (int)gh, r);        \
-                for (int64_t k = 0; k < gw; ++k)                                                                      \
-                    GEMM(u + k * dh, gw * dh, ky ? ky + (h * r * gh + iy) * gh : tab + k, ky ? gh * gh : gh * cp,     \
-                         ky ? 1 : cp, cols + k * gh * dh, dh, r, gh, dh, 0);                                          \
+                int64_t ya = ky ? gh * gh : gh * cp, ys = ky ? 1 : cp, xa = ky ? r * gw : 1, xs = ky ? 1 : cp;       \
+                for (int64_t k = 0; k < gw; ++k) { /* the y-rows' band: the union of the atoms' */                    \
+                    int64_t lo = 0, hi = gh;                                                                          \
+                    if (banded)                                                                                       \
+                        band_union(ky ? by + (h * r * gh + iy) * 2 : by + (gi + k * heads * r) * 4, ky ? gh * 2 : 4,  \
+                                   r, &lo, &hi);                                                                      \
+                    GEMM(u + k * dh, gw * dh, (ky ? ky + (h * r * gh + iy) * gh : tab + k) + lo * ys, ya, ys,         \
+                         cols + (k * gh + lo) * dh, dh, r, hi - lo, dh, 0);                                           \
+                }                                                                                                     \
                 /* row pass: the weighted x-rows of the queries (iy, ix) */                                           \
                 if (!ky)                                                                                              \
                     ROWS(tab, mu + 2 * gi + 1, s + 2 * gi + 1, lam + gi, 2, 2 * heads * r, heads * r, gw, 0, 1,       \
                          (int)gw, r);                                                                                 \
-                GEMM(mixed + iy * gw * dh, dh, ky ? wx + h * gw * r * gw : tab, ky ? r * gw : 1, ky ? 1 : cp, u, dh,  \
-                     gw, r * gw, dh, 0);                                                                              \
+                const T *wrow = ky ? wx + h * gw * r * gw : tab;                                                      \
+                if (!banded)                                                                                          \
+                    GEMM(mixed + iy * gw * dh, dh, wrow, xa, xs, u, dh, gw, r * gw, dh, 0);                           \
+                for (int64_t ri = 0; banded && ri < r; ++ri) /* per atom, 4 queries at a time: their bands' union */  \
+                    for (int64_t ix = 0; ix < gw; ix += 4) {                                                          \
+                        int64_t lo, hi, m = gw - ix < 4 ? gw - ix : 4;                                                \
+                        band_union(ky ? bx + ((h * r + ri) * gw + ix) * 2 : bx + (gi + ix * heads * r + ri) * 4,      \
+                                   ky ? 2 : heads * r * 4, m, &lo, &hi);                                              \
+                        GEMM(mixed + (iy * gw + ix) * dh, dh, wrow + ix * xa + (ri * gw + lo) * xs, xa, xs,           \
+                             u + (ri * gw + lo) * dh, dh, m, hi - lo, dh, ri > 0);                                    \
+                    }                                                                                                 \
             }                                                                                                         \
             T *ob = out + bi * o_sb + p * o_st + h * dh;                                                              \
             for (int64_t t = 0; t < n; ++t)                                                                           \

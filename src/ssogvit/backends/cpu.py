@@ -110,7 +110,7 @@ def _build_or_load() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: another process sees the old state or the whole library
     handle = ctypes.CDLL(str(lib))
     # name: (pointer arguments, integer arguments, arguments of its scratch size, or None: no scratch)
-    signatures = {"ssog_mix": (8, 12, 4), "ssog_mix_grad": (10, 14, 4), "ssog_fixed_grad": (8, 14, 4),
+    signatures = {"ssog_mix": (10, 12, 4), "ssog_mix_grad": (10, 14, 4), "ssog_fixed_grad": (8, 14, 4),
                   "ssog_axis_kernels": (4, 2, 1), "ssog_axis_kernels_grad": (6, 2, None)}
     for name, (pointers, ints, work_ints) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -160,14 +160,42 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+#: The banded mixing is taken where the bands' mean length is at most this fraction of their rows' length
+#: (docs/operator.md, "Bands"; the measurement: docs/benchmarks.md, "Banded mixing").
+BAND_FRACTION = 0.5
+
+
+def banded(band: Tensor, length: int | Tensor) -> bool:
+    """Whether bands ``(..., 2)`` (``core.axis_band``) of rows of ``length`` entries make the banded mixing faster
+    than the dense one: their mean length at most ``BAND_FRACTION`` of the row's."""
+    return bool(((band[..., 1] - band[..., 0]) / length).mean() <= BAND_FRACTION)
+
+
+def may_band(scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> bool:
+    """``banded`` asked before the bands are built, of their interior length ``2 floor(w) + 1`` (at most the row;
+    ``w = core.band_halfwidth``), which no row's band exceeds: a field whose bands cannot pay costs no more than a
+    few numbers per atom (``scale`` ``(..., 2)``, axis order ``(y, x)``)."""
+    lengths = torch.tensor(grid, dtype=torch.float64)
+    interior = (2 * core.band_halfwidth(scale, dtype).floor() + 1).minimum(lengths)
+    return bool((interior / lengths).mean() <= BAND_FRACTION)
+
+
+def _narrow(bands: tuple[Tensor, ...] | None, *lengths: int | Tensor) -> tuple[Tensor, ...] | None:
+    """``bands`` where all of them are narrow enough to pay (``banded``), else ``None`` (the dense mixing)."""
+    return bands if bands is not None and all(banded(b, n) for b, n in zip(bands, lengths)) else None
+
+
 def _mix_into(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, atoms: int, *,
-              steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None) -> None:
-    """``ssog_mix_*``: the patch rows of ``out`` (which may be ``values``), prefix rows first."""
+              steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None,
+              bands: tuple[Tensor, Tensor] | None = None) -> None:
+    """``ssog_mix_*``: the patch rows of ``out`` (which may be ``values``), prefix rows first; ``bands`` the rows'
+    (``fixed_bands``: two arrays; ``steered_bands``: one, given as its y and x halves), ``None`` all of each row."""
     (b, t, d), (gh, gw) = values.shape, grid
     write_prefix_pool(out, values, t - gh * gw)
     threads = _threads(b * heads)
     work = _work("ssog_mix", threads, gh, gw, atoms, d // heads, dtype=values.dtype)
-    pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2))]
+    pointers = [x.data_ptr() if x is not None else None for x in (*(steered or (None,) * 3), *(fixed or (None,) * 2),
+                                                                  *(bands or (None,) * 2))]
     getattr(_library(), f"ssog_mix_{_SUFFIX[values.dtype]}")(
         values.data_ptr(), out.data_ptr(), *pointers, work.data_ptr(), threads, b, values.stride(0), values.stride(1),
         out.stride(0), out.stride(1), t - gh * gw, gh, gw, heads, atoms, d // heads)
@@ -183,32 +211,40 @@ def _grid(ky: Tensor, kx: Tensor) -> tuple[int, int]:
     return ky.shape[-1], kx.shape[-1]
 
 
-def _fixed_into(out: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+def _fixed_into(out: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor,
+                bands: tuple[Tensor, Tensor] | None = None) -> None:
     grid = _grid(ky, kx)
     tables = _fixed_tables(ky, kx, lam)
     if any(torch.isinf(t).any() for t in tables):  # where two infinities of both signs meet depends on the order of
         out.copy_(core.mix_fixed(values, grid, ky, kx, lam))  # the passes: the torch backend's, the x-pass first
         return
-    _mix_into(out, values, grid, *lam.shape, fixed=tables)
+    _mix_into(out, values, grid, *lam.shape, fixed=tables, bands=_narrow(bands, *grid))
+
+
+def _pair(band_y: Tensor | None, band_x: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    return None if band_y is None or band_x is None else (band_y.contiguous(), band_x.contiguous())
 
 
 @torch.library.custom_op("ssogvit::cpu_fixed_mix", mutates_args=(), device_types="cpu")
-def _fixed_mix(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> Tensor:
+def _fixed_mix(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, band_y: Tensor | None = None,
+               band_x: Tensor | None = None) -> Tensor:
     """``core.mix_fixed`` by the kernel: values ``(B, P + N, D)``, ky ``(H, R, Gh, Gh)``, kx ``(H, R, Gw, Gw)``,
-    lam ``(H, R)``."""
+    lam ``(H, R)``; the rows' bands ``band_y (H, R, Gh, 2)``, ``band_x (H, R, Gw, 2)`` (``core.field_bands``) if
+    given, read where they pay (``banded``)."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _fixed_into(out, values, ky, kx, lam)
+    _fixed_into(out, values, ky, kx, lam, _pair(band_y, band_x))
     return out
 
 
 @torch.library.custom_op("ssogvit::cpu_fixed_mix_", mutates_args=("values",), device_types="cpu")
-def _fixed_mix_(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor) -> None:
+def _fixed_mix_(values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor, band_y: Tensor | None = None,
+                band_x: Tensor | None = None) -> None:
     """``cpu_fixed_mix`` written over the values (inference: one activation-sized buffer less)."""
     if values.stride(-1) != 1:
-        values.copy_(_fixed_mix(values, ky, kx, lam))
+        values.copy_(_fixed_mix(values, ky, kx, lam, band_y, band_x))
         return
-    _fixed_into(values, values, ky, kx, lam)
+    _fixed_into(values, values, ky, kx, lam, _pair(band_y, band_x))
 
 
 @torch.library.custom_op("ssogvit::cpu_fixed_mix_backward", mutates_args=(), device_types="cpu")
@@ -242,8 +278,16 @@ def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int
     ``(B, N, H, R)``, the grid ``(gh, gw)``."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _mix_into(out, values, (gh, gw), *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
+    _steered_into(out, values, mu, scale, lam, (gh, gw))
     return out
+
+
+def _steered_into(out: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, grid: tuple[int, int]) -> None:
+    """The steered mixing into ``out``, banded where that pays (``core.token_bands``, ``banded``)."""
+    band = _narrow((core.token_bands(mu, scale, grid, values.dtype),), torch.tensor(grid)) if may_band(
+        scale, grid, values.dtype) else None
+    _mix_into(out, values, grid, *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()),
+              bands=band and (band[0][..., 0, :], band[0][..., 1, :]))
 
 
 @torch.library.custom_op("ssogvit::cpu_steered_mix_", mutates_args=("values",), device_types="cpu")
@@ -252,8 +296,7 @@ def _steered_mix_(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: in
     if values.stride(-1) != 1:
         values.copy_(_steered_mix(values, mu, scale, lam, gh, gw))
         return
-    _mix_into(values, values, (gh, gw), *mu.shape[2:4],
-              steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()))
+    _steered_into(values, values, mu, scale, lam, (gh, gw))
 
 
 @torch.library.custom_op("ssogvit::cpu_steered_mix_backward", mutates_args=(), device_types="cpu")
@@ -314,7 +357,8 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
     ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam)
+    bands = core.field_bands(mu, scale, (gh, gw), values.dtype) if may_band(scale, (gh, gw), values.dtype) else None
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, bands)
     return out
 
 
@@ -337,12 +381,12 @@ def _new(*tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
 
 
 @_fixed_mix.register_fake
-def _(values, ky, kx, lam):
+def _(values, ky, kx, lam, band_y=None, band_x=None):
     return _new(values)
 
 
 @_fixed_mix_.register_fake
-def _(values, ky, kx, lam):
+def _(values, ky, kx, lam, band_y=None, band_x=None):
     return None
 
 
@@ -439,13 +483,15 @@ def field_mix(values: Tensor, grid: tuple[int, int], mu: Tensor, scale: Tensor, 
 
 
 def fixed_forward(values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor, *,
-                  inplace: bool = False, head_chunk: int | None = None) -> Tensor:
+                  inplace: bool = False, head_chunk: int | None = None,
+                  bands: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``core.mix_fixed`` (``head_chunk`` is the torch backend's and ignored here); ``inplace`` writes over the
-    values and returns them."""
+    values and returns them; ``bands`` the tables' (``core.field_bands``), read where they pay."""
+    bands = bands or (None, None)
     if inplace:
-        torch.ops.ssogvit.cpu_fixed_mix_(values, ky, kx, lam)
+        torch.ops.ssogvit.cpu_fixed_mix_(values, ky, kx, lam, *bands)
         return values
-    return torch.ops.ssogvit.cpu_fixed_mix(values, ky, kx, lam)
+    return torch.ops.ssogvit.cpu_fixed_mix(values, ky, kx, lam, *bands)
 
 
 def fixed_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], ky: Tensor, kx: Tensor, lam: Tensor

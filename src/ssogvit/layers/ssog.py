@@ -177,8 +177,9 @@ class SSoGAttention(nn.Module):
         return (self.cache_kernels and not torch.is_grad_enabled() and not core.functional_only()
                 and not torch.compiler.is_compiling())
 
-    def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """``(K^y, K^x, lambda)`` in ``dtype``; in inference (no grad, not traced or compiled) kept until the parameters
+    def _fixed_kernels(self, grid: tuple[int, int], dtype: torch.dtype, *, bands: bool = False) -> tuple:
+        """``(K^y, K^x, lambda)`` in ``dtype``, and with ``bands`` the rows' (``core.field_bands`` for the working
+        precision ``dtype``) as a fourth; in inference (no grad, not traced or compiled) kept until the parameters
         or the grid change. Under ``torch.compile`` the tables are always built, inside the compiled graph: the cache
         is Python state the compiler would have to guard on.
 
@@ -191,12 +192,13 @@ class SSoGAttention(nn.Module):
             cached = self._kernel_cache
             if (cached is not None and cached[0] == (tuple(grid), dtype, self.mu.device)
                     and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(cached[1], values))):
-                return cached[2]
+                return cached[2] if bands else cached[2][:3]
         ky, kx = self.axis_kernels(grid)
-        tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype))
+        scale = core.kernel_scale(self.sigma(), self._tau_hr()[..., None])
+        tables = (ky.to(dtype), kx.to(dtype), self.mixture().to(dtype), core.field_bands(self.mu, scale, grid, dtype))
         if use_cache:
             self._kernel_cache = ((tuple(grid), dtype, self.mu.device), tuple(v.clone() for v in values), tables)
-        return tables
+        return tables if bands else tables[:3]
 
     def _steering(self) -> tuple[Tensor, ...]:
         """The steering parameters in ``core.token_geometry``'s order: the gates' ``alpha``, then each map's weight
@@ -245,18 +247,21 @@ class SSoGAttention(nn.Module):
         training = torch.is_grad_enabled() and values.requires_grad
         inplace = not training and not core.functional_only() and not torch.compiler.is_compiling()
         if self.steer:
-            chunk = self.head_chunk or default_head_chunk(
-                (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
-                itemsize=values.element_size(),
-            )
+            chunk = self.head_chunk
+            if chunk is None and not core.functional_only():  # traced or exported, the mixing is the einsum path,
+                chunk = default_head_chunk(  # which has no chunks; the sizing would guard a dynamic grid's range
+                    (gh, gw), self.num_heads, self.num_atoms, self.dim, batch=x.shape[0], training=training,
+                    itemsize=values.element_size(),
+                )
             mixed = ops.ssog_mix_steered_by_tokens(
                 values, (gh, gw), x[:, p:], self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
                 steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
             )
         elif self._tables_cached():
-            ky, kx, lam = self._fixed_kernels((gh, gw), values.dtype)
+            ky, kx, lam, bands = self._fixed_kernels((gh, gw), values.dtype, bands=True)
             mixed = ops.ssog_mix(
-                values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace
+                values, (gh, gw), ky, kx, lam, impl=self.impl, head_chunk=self.head_chunk, inplace=inplace,
+                bands=bands,
             )
         else:  # training, tracing, compiling: the tables are built from the field inside the mixing
             mixed = ops.ssog_mix_field(values, (gh, gw), self.mu, self.sigma(), self.mixture(), self.tau(),
