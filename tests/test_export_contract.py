@@ -132,6 +132,20 @@ def test_refusal_names_what_the_eager_model_takes(tmp_path):
         refusal(model, path, torch.randn(1, 3, 20, 24), format="exported-program")
 
 
+def test_export_model_replaces_a_file_only_when_asked(tmp_path):
+    """`export_model` wrote over a user's file without a word (the audit's lost case B94)."""
+    from ssogvit.outputs import OutputError
+
+    mine = tmp_path / "m.pt"
+    mine.write_bytes(b"my file")
+    model = _model("vit", "ssog", None)
+    with pytest.raises(OutputError, match="overwrite=True"):
+        export_model(model, torch.randn(SHAPE), mine, format="torchscript")
+    assert mine.read_bytes() == b"my file"
+    export_model(model, torch.randn(SHAPE), mine, format="torchscript", overwrite=True)
+    assert parity(model, mine, torch.randn(SHAPE), format="torchscript") < 1e-4
+
+
 def _cli(ckpt, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(ckpt), *args],
                           capture_output=True, text=True, env=os.environ.copy(), timeout=600)

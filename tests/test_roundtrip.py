@@ -331,6 +331,17 @@ def test_what_a_writer_writes_every_loader_reads_as_the_eager_model(writer, load
             _check_eval(eager, path, run, model, tmp_path, capsys)
         elif loader == "analyze":
             _check_analyze(eager, path, run, model, tmp_path, capsys)
+        elif loader == "timm-overlay" and model[2] == "segmentation":
+            # a classifier's name builds a classifier (docs/dense.md, "Your own weights"): the segmentation model's
+            # backbone, weight for weight, under a new head
+            loaded = _load(loader, path, model).eval()
+            backbone = eager.features.backbone
+            assert type(loaded) is type(backbone)
+            own = loaded.state_dict()
+            assert all(torch.equal(own[k], v) for k, v in backbone.state_dict().items() if not k.startswith("head"))
+            x = torch.randn(2, 3, 16, 24)
+            with torch.no_grad():
+                assert torch.equal(loaded.forward_features(x), backbone.forward_features(x))
         else:
             _check_loaded_model(eager, _load(loader, path, model))
 

@@ -492,6 +492,8 @@ def test_export_cli_says_what_a_format_cannot_make_dynamic_and_refuses_what_woul
     assert ("it takes any batch; 32x32 images only (the TorchScript-based ONNX exporter cannot export the position "
             "embedding's resize; the file refuses other sizes)") in out
     assert "batch (1, 3, 32, 32)" in out  # the second check: another batch at the traced size
+    assert ssogvit.export.main(base + ["torchscript", "--out", str(tmp_path / "m.onnx")]) == 2  # was written as named
+    assert "--out " + str(tmp_path / "m.onnx") + ": a torchscript file is named *.pt" in capsys.readouterr().err
     assert ssogvit.export.main(base + ["torchscript", "--onnx-exporter", "torchscript"]) == 2  # was ignored
     assert "--onnx-exporter chooses the exporter of --format onnx; --format torchscript has none" in (
         capsys.readouterr().err)

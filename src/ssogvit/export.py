@@ -130,7 +130,8 @@ def _refuse_empty_batch(program: torch.export.ExportedProgram) -> None:
 
 
 def export_model(
-    model: nn.Module, example: Tensor, path: str | Path, *, format: str, dynamo: bool = True, dynamic: bool = True
+    model: nn.Module, example: Tensor, path: str | Path, *, format: str, dynamo: bool = True, dynamic: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (in eval mode) traced on ``example`` to ``path``.
 
@@ -143,13 +144,16 @@ def export_model(
         format: one of ``FORMATS``.
         dynamo: for ONNX, the ``torch.export``-based exporter (``False``: the TorchScript-based one).
         dynamic: the dimensions ``dynamic_dims(format, dynamo)`` take any size; ``False``: the example's shape only.
+        overwrite: replace an existing ``path`` (never done unasked).
 
     Raises:
+        OutputError: ``path`` exists (it is replaced only with ``overwrite=True``) or cannot be written.
         ValueError: an unknown format, an example that would fix a dynamic dimension, or an ODE model whose adaptive
             solver chooses its steps from the data (no format holds that).
     """
     from ssogvit.models.ode import ADAPTIVE_SOLVERS
 
+    path = check_output_file(path, "path", overwrite=overwrite, hint="overwrite=True")  # never a user's file unasked
     if getattr(model, "solver", None) in ADAPTIVE_SOLVERS:  # refused before any exporter dumps its graph
         raise ValueError(f"the ODE solver {model.solver!r} chooses its number of steps from the data, which no "
                          "exported format can hold; export the model built with a fixed-step solver (solver='rk4' "
@@ -298,6 +302,9 @@ def _export(args: argparse.Namespace) -> int:
     ckpt = input_file(weights_path(args.ckpt), "--ckpt", what="checkpoint")
     out = check_output_file(args.out or ckpt.with_suffix(FORMATS[args.format]), "--out", overwrite=args.overwrite,
                             inputs=checkpoint_files(ckpt))
+    if out.suffix != FORMATS[args.format]:  # a file named for another format would be read as that one
+        raise UsageError(f"--out {args.out}: a {args.format} file is named *{FORMATS[args.format]}; give --out with "
+                         "that suffix")
     if args.format == "onnx":
         require_extra("export", "--format onnx")
     elif args.onnx_exporter:  # an option of another format would be ignored

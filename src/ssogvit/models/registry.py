@@ -370,11 +370,14 @@ def _timm_entrypoint(name: str):
         placement = {k: kwargs.pop(k) for k in ("device", "dtype") if k in kwargs}
         if pretrained:
             cfg, saved = _pretrained_cfg(tname, name, kwargs)
-            if saved is not None:  # an ssogvit export: the weights say how the model was built
+            if saved is not None:  # an ssogvit export: the weights say how the backbone was built
+                segmentation = saved.get("task") == "segmentation"  # its backbone only: a classifier is built here
                 for key, value in saved.items():
-                    if key != "name":
+                    if key not in ("name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD) or (key == "num_classes"
+                                                                                       and not segmentation):
                         kwargs.setdefault(key, value)
-                cfg = replace(cfg, num_classes=saved.get("num_classes", cfg.num_classes))
+                if not segmentation:
+                    cfg = replace(cfg, num_classes=saved.get("num_classes", cfg.num_classes))
             kwargs["pretrained_cfg"] = cfg
         kwargs["pretrained_cfg"] = _input_cfg(_given_cfg(tname, kwargs), kwargs)
         return build_model_with_cfg(
