@@ -100,7 +100,7 @@ def test_a_saved_folder_is_sealed_and_its_config_json_is_checked_against_the_wei
     config = json.loads(original)
     config["model_args"]["depth"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(WeightsFileError, match=r"config.json does not match the config sealed in .*\(model_args.depth: 3"):
+    with pytest.raises(WeightsFileError, match=r"config.json does not match the config sealed .*\(model_args.depth: 3"):
         from_pretrained(folder)
     with pytest.raises(WeightsFileError, match="does not match the config sealed"):
         timm.create_model(f"local-dir:{folder}", pretrained=True)

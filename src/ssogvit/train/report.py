@@ -71,7 +71,7 @@ class RunLog:
     metric: str = "val/top1"  # what the run is scored by: val/top1, or val/miou for a segmentation run
     test: dict[str, float] = field(default_factory=dict)  # the final weights on the held-out test split, if any
     settings: dict[str, Any] = field(default_factory=dict)  # the hyper-parameters a sweep may vary (SWEPT)
-    model: dict[str, Any] = field(default_factory=dict)  # the run config's model section: the seeds of one model share it
+    model: dict[str, Any] = field(default_factory=dict)  # the run config's model section, shared by one model's seeds
 
     @property
     def epochs_done(self) -> int:
