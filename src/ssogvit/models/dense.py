@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 from timm.layers import ClassifierHead, ConvNormAct, LayerNorm2d
 from timm.models import FeatureInfo
-from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from ssogvit.errors import InputError, UsageError
 from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 
-from ._common import VisionTransformerBase
+from ._common import VisionTransformerBase, feature_take_indices  # timm's private helper, imported in one place
 
 __all__ = ["PYRAMID_SCALES", "SimpleFeaturePyramid", "PyramidFeatures", "PyramidViT", "SemanticFPNHead",
            "SegmentationModel", "pyramid_scales"]
