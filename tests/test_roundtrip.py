@@ -281,6 +281,8 @@ def _check_eval(eager, path: Path, run: Path | None, model: tuple, tmp_path: Pat
         assert ssogvit_main(["eval", "--ckpt", str(path), "--device", "cpu", "--progress", "none", "--json", str(out),
                              "--img-size", str(size), *data]) == 0
         got = json.loads(out.read_text())
+        assert (got["split"], got["weights"]) == ("validation", "raw")  # what the figure is of (audit B54, B75b)
+        assert f"at {size} px, patch 4, validation split: " in capsys.readouterr().out
         dm = _datamodule(run, size, data)
         want = score(eager, dm, device="cpu", progress="none")
         assert got["images"] == want["images"] > 0

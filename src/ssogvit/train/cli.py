@@ -231,13 +231,14 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
-                  patch_size=_side(patch), rescale_field=bool(args.rescale_field))
+                  patch_size=_side(patch), rescale_field=bool(args.rescale_field), split="validation",
+                  weights="ema" if args.ema else "raw")  # what the figure is of: said, not left to the reader
     if task == "segmentation":
         scores = f"mIoU {result['miou']:.2f}%  pixel accuracy {result['pixel_acc']:.2f}%"
     else:
         scores = f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%"
-    print(f"{result['model']} at {result['img_size']} px, patch {result['patch_size']}: {scores}  "
-          f"loss {result['loss']:.4f}  ({result['images']} images)")
+    print(f"{result['model']}{' (EMA weights)' if args.ema else ''} at {result['img_size']} px, patch "
+          f"{result['patch_size']}, validation split: {scores}  loss {result['loss']:.4f}  ({result['images']} images)")
     if args.json:
         write_json(args.json, result, overwrite=args.overwrite, default=str)
     return 0
