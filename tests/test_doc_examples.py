@@ -49,12 +49,16 @@ NOT_RUN = {
 }
 
 
+def _doc_files() -> list[tuple[Path, list[str]]]:
+    """`(path, lines)` of README.md and every docs/*.md: the files whose examples run."""
+    return [(p, p.read_text().splitlines()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
+
+
 def doc_examples() -> list[tuple[str, str]]:
     """`(where, command)` for each `ssogvit ...` line of a code block in README.md and docs/*.md; backslash
     continuations joined, a trailing `# comment` and a `.venv/bin/` prefix removed."""
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        lines = path.read_text().splitlines()
+    for path, lines in _doc_files():
         fenced = False
         i = 0
         while i < len(lines):
@@ -80,8 +84,7 @@ def doc_python_blocks() -> list[tuple[str, str, str | None]]:
     indented block starting with `import` / `from`; `marker` is `slow`, `not run` or None (`PY_MARKER` on the
     nearest non-blank line before the block)."""
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        lines = path.read_text().splitlines()
+    for path, lines in _doc_files():
         fenced = False
         i = 0
         while i < len(lines):
