@@ -1,5 +1,6 @@
-"""The command line as users meet it: each test runs the real entry point (`python -m ssogvit ...`) in a subprocess
-and checks the exit status and the first line of what it says."""
+"""The command line as users meet it: each test runs the console script's entry function in a child process
+(tests/cli_process.py: forked from a server that has done the imports) and checks the exit status and the first line
+of what it says; the tests about the process itself start `python -m ssogvit` with subprocess."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import cli_process
+
+import cli_process
+
 # a seconds-long run: a 2-block width-32 ViT on 64 synthetic 16 px images (two blocks: the class token of one block
 # is a plain mean of the patches, which does not see the SSoG field)
 TINY_MODEL = ["model=vit", "model.size=tiny", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2",
@@ -27,10 +32,14 @@ DIGITS = ["experiment=digits_vit_ssog", "trainer.max_epochs=1", "trainer.limit_t
           "trainer.limit_val_batches=1", "trainer.accelerator=cpu", "data.num_workers=0"]
 
 
-def ssogvit(*args: str, cwd: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    """`python -m ssogvit args...` with this environment (PYTHONPATH reaches it), one torch thread."""
+def ssogvit(*args: str, cwd: Path | None = None, timeout: float = 300, fresh: bool = False,
+            **env: str) -> subprocess.CompletedProcess:
+    """`ssogvit args...` in a child process (tests/cli_process.py) with this environment, one torch thread;
+    `fresh`: in a fresh interpreter (`python -m ssogvit`), for what depends on the process (worker processes)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     full_env.pop("SSOGVIT_DEBUG", None) if "SSOGVIT_DEBUG" not in env else None
+    if not fresh:
+        return cli_process.run(list(args), cwd=cwd, env=full_env, timeout=timeout)
     res = subprocess.run([sys.executable, "-m", "ssogvit", *args], cwd=cwd, env=full_env, capture_output=True,
                          timeout=timeout)
     # decoded by hand: text mode would turn the `\r` of a progress bar into `\n`
@@ -298,7 +307,7 @@ def test_a_corrupt_image_mid_epoch_is_named_in_one_line(tmp_path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not an image")
     res = ssogvit("train", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
                   "data.img_size=16", "data.num_workers=1", "data.batch_size=4", *TINY_MODEL,
-                  f"output_dir={tmp_path / 'run'}")
+                  f"output_dir={tmp_path / 'run'}", fresh=True)  # a DataLoader worker process
     assert_user_error(res, f"ssogvit train: cannot read image {bad} (UnidentifiedImageError", mid_run=True)
     assert "DataLoader worker" not in res.stderr  # read by a worker process, reported as the worker saw it
 

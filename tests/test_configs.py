@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+
+import cli_process
 
 from ssogvit.models import create_model
 from ssogvit.train.cli import list_main
@@ -152,12 +153,9 @@ def test_list_table_shows_its_runs_with_the_papers_number(capsys):
 
 
 def test_cli_list_unknown_table_and_incomplete_experiment_exit_2(tmp_path):
-    env = dict(os.environ)
-    run = [sys.executable, "-m", "ssogvit"]
-    p = subprocess.run([*run, "list", "experiments", "--table", "3"], capture_output=True, text=True, env=env)
+    p = cli_process.run(["list", "experiments", "--table", "3"])
     assert p.returncode == 2 and "no experiment reproduces Table 3" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([*run, "train", "experiment=cifar100_ode_base_ssog_aug_weak", f"output_dir={tmp_path / 'r'}"],
-                       capture_output=True, text=True, env=env)
+    p = cli_process.run(["train", "experiment=cifar100_ode_base_ssog_aug_weak", f"output_dir={tmp_path / 'r'}"])
     assert p.returncode == 2 and "data.aug.scale" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r").exists()
 

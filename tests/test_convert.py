@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 
 import pytest
 import timm
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+import cli_process
 
 from ssogvit import SSoGAttention, create_model
 from ssogvit.convert import (
@@ -184,8 +185,7 @@ def test_unknown_recipe_is_refused():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ssogvit", "convert", *args], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    return cli_process.run(["convert", *args], env=env, timeout=600)
 
 
 TINY = ["data.img_size=16", "data.batch_size=16", "data.num_workers=0", "trainer.max_epochs=1",

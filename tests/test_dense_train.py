@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import cli_process
+
 from ssogvit.cli import main as cli_main
 from ssogvit.layers import list_mixers
 from ssogvit.train.config import compose, list_experiments
@@ -35,8 +37,7 @@ def tiny_scenes(out: Path, *extra: str) -> list[str]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ssogvit", *args], env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    return cli_process.run(list(args), env=ENV, timeout=300)
 
 
 def logged(run: Path) -> list[dict[str, str]]:

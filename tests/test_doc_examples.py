@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+import cli_process
+
 ROOT = Path(__file__).resolve().parents[1]
 HYDRA_COMMANDS = ("train", "transfer", "convert")
 #: example -> why it is not run here (matched by its start)
@@ -321,6 +323,5 @@ def test_the_other_examples_run_as_written(where, command, workdir):
     import sys
 
     args = _runnable(command)
-    res = subprocess.run([sys.executable, "-m", "ssogvit", *args], cwd=workdir, capture_output=True, text=True,
-                         timeout=600)
+    res = cli_process.run(args, cwd=workdir, timeout=600)
     assert res.returncode == 0, f"{where}: `{command}` ran as `ssogvit {' '.join(args)}`:\n{res.stderr[-2000:]}"

@@ -18,6 +18,8 @@ import textwrap
 import pytest
 import torch
 
+import cli_process
+
 import ssogvit.export
 from ssogvit.export import FORMATS, dynamic_dims, export_model, load_exported, parity, refusal, refused_shapes
 from ssogvit.models import create_model
@@ -147,8 +149,7 @@ def test_export_model_replaces_a_file_only_when_asked(tmp_path):
 
 
 def _cli(ckpt, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(ckpt), *args],
-                          capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    return cli_process.run(["export", "--ckpt", str(ckpt), *args], timeout=600)
 
 
 def _cli_case(family, mixer, task, fmt, dynamo, tmp_path):

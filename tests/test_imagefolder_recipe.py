@@ -11,6 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
+import cli_process
+
 from ssogvit.data.digits import load_digits_split
 
 GRAYSCALE = ["data.in_chans=1", "data.aug.mean=[0.5]", "data.aug.std=[0.5]", "data.aug.hflip=0.0"]
@@ -54,8 +56,7 @@ def test_a_folder_of_real_images_trains_through_the_command_line(tmp_path):
 
 
 def test_without_a_root_the_recipe_says_what_to_pass(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "ssogvit", "train", "experiment=imagefolder_small",
-                          f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    res = cli_process.run(["train", "experiment=imagefolder_small", f"output_dir={tmp_path / 'run'}"], timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "data.root" in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2 and not (tmp_path / "run").exists()
 

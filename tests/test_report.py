@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import cli_process
+
 from ssogvit.cli import main as cli
 from ssogvit.train.config import compose, experiment_rows
 from ssogvit.train.report import ReportError, read_run, table_markdown
@@ -25,7 +27,7 @@ TINY = [
 
 def ssogvit(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "ssogvit", *map(str, args)], capture_output=True, text=True, env=env)
+    return cli_process.run(list(map(str, args)), env=env)
 
 
 def val_top1_from_csv(run: Path) -> dict[int, float]:

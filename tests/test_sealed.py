@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,6 +13,8 @@ import timm
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+import cli_process
 
 from ssogvit.models import create_model, from_pretrained
 from ssogvit.models.sealed import DIGEST_KEY, SEALED_KEY, UnverifiedFileWarning, WeightsFileError
@@ -111,9 +111,8 @@ def test_a_saved_folder_is_sealed_and_its_config_json_is_checked_against_the_wei
 def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path):
     _, path = exported
     _edit_copy(path, depth=4)
-    res = subprocess.run([sys.executable, "-m", "ssogvit", "export", "--ckpt", str(path), "--format", "torchscript",
-                          "--out", str(tmp_path / "m.pt")], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    res = cli_process.run(["export", "--ckpt", str(path), "--format", "torchscript", "--out", str(tmp_path / "m.pt")],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "model.json does not match the config sealed in" in res.stderr
     assert not (tmp_path / "m.pt").exists()
@@ -140,8 +139,7 @@ def test_eval_and_export_never_write_over_a_file_the_load_reads(exported, tmp_pa
     for args in (["eval", "--ckpt", str(path), "--json", str(path.with_suffix(".json")), "--overwrite", "data=digits"],
                  ["export", "--ckpt", str(path), "--format", "torchscript", "--out", str(path.with_suffix(".json")),
                   "--overwrite"]):
-        res = subprocess.run([sys.executable, "-m", "ssogvit", *args], capture_output=True, text=True, env=env,
-                             timeout=300)
+        res = cli_process.run(args, env=env, timeout=300)
         assert res.returncode == 2 and "is one of this command's inputs" in res.stderr, res.stderr[-2000:]
     assert path.with_suffix(".json").read_text() == before
 

@@ -5,10 +5,11 @@ arrangement trains them, and the refusals."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
+
+import cli_process
 
 from ssogvit.train.main_job import load_plan, main
 from ssogvit.train.report import read_run
@@ -88,8 +89,7 @@ def test_main_job_refuses_bad_arguments_in_one_line_before_writing(tmp_path, cap
 
 
 def test_main_job_command_line_refuses_zero_epochs_with_status_2():
-    res = subprocess.run([sys.executable, "-m", "ssogvit", "main", "--epochs", "0"], capture_output=True, text=True,
-                         timeout=120)
+    res = cli_process.run(["main", "--epochs", "0"], timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip() == ("ssogvit main: argument --epochs: expected an integer >= 1, got '0' "
                                   "(see `ssogvit main --help`)")

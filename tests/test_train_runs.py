@@ -22,6 +22,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import cli_process
+
 from ssogvit.cli import main as cli_main
 from ssogvit.train import load_model
 from ssogvit.train.config import compose, quote_override
@@ -58,7 +60,10 @@ def digits(out: Path, *extra: str, epochs: int = 4) -> list[str]:
 
 
 def cli(*args: str, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
-    """`python -m ssogvit ARGS` in a subprocess (PYTHONPATH passed through)."""
+    """`ssogvit ARGS` in a child process (tests/cli_process.py); with `popen` arguments, `python -m ssogvit ARGS` in
+    a subprocess (PYTHONPATH passed through)."""
+    if not popen:
+        return cli_process.run(list(args), env=ENV, timeout=timeout)
     return subprocess.run([sys.executable, "-m", "ssogvit", *args], env=ENV, capture_output=True, text=True,
                           timeout=timeout, **popen)
 
