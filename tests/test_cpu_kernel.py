@@ -605,10 +605,42 @@ def test_the_banded_mixing_is_taken_where_the_bands_are_short_and_keeps_non_fini
     mu, sigma, lam = torch.zeros(2, 2, 2), torch.full((2, 2, 2), 0.7), torch.full((2, 2), 0.5)
     tau = torch.tensor(1.0)
     got, want = (ops.ssog_mix_field(values, (64, 48), mu, sigma, lam, tau, impl=impl) for impl in ("cpu", "stacked"))
-    assert used[-1] and (got.isnan() == want.isnan()).all() and got.isnan().any()
+    assert used[-1] == ("_mix_into", True) and (got.isnan() == want.isnan()).all() and got.isnan().any()
     finite = want.isfinite()
     assert _close(got[finite], want[finite], 1e-5)
 
+
+@pytest.mark.parametrize("kind", ["fixed", "steered"])
+@pytest.mark.parametrize("where", ["values", "grad", "mu", "lam"])
+def test_the_banded_backward_keeps_non_finite_numbers_where_the_dense_one_puts_them(monkeypatch, kind, where):
+    """On a grid where the backward reads the bands: an infinite value or output gradient, a NaN centre or weight of
+    one atom gives NaN and infinities in every gradient at the places where the torch backend's has them
+    (a head with non-finite values or output gradient, a field or geometry with a non-finite number is
+    differentiated whole: docs/operator.md, "Bands")."""
+    used = _record_bands(monkeypatch)
+    grid, n = (64, 48), 64 * 48
+    g = torch.Generator().manual_seed(6)
+    values, grad = (torch.randn(1, 1 + n, 16, generator=g) for _ in range(2))
+    mu, sigma, lam = torch.zeros(2, 2, 2), torch.full((2, 2, 2), 0.7), torch.full((2, 2), 0.5)
+    tau = torch.tensor(1.0)
+    if kind == "steered":
+        mu, sigma, lam = (t.expand(1, n, *t.shape).clone() for t in (mu, sigma, lam))
+    places = {"values": (values, (0, 5, 3), "inf"), "grad": (grad, (0, 700, 9), "inf"),
+              "mu": (mu, (1, 0, 1) if kind == "fixed" else (0, 900, 1, 0, 1), "nan"),
+              "lam": (lam, (0, 1) if kind == "fixed" else (0, 1500, 0, 1), "nan")}
+    tensor, index, number = places[where]
+    tensor[index] = float(number)
+    mix = ops.ssog_mix_field if kind == "fixed" else ops.ssog_mix_steered
+    results = []
+    for impl in ("cpu", "stacked"):
+        leaves = [t.clone().requires_grad_() for t in (values, mu, sigma, lam)]
+        results.append(torch.autograd.grad(mix(leaves[0], grid, *leaves[1:], tau, impl=impl), leaves, grad))
+    assert used[0] == ("_mix_into", True), used
+    for x, y in zip(*results):
+        assert (x.isnan() == y.isnan()).all() and (x.isinf() == y.isinf()).all()
+        finite = y.isfinite()
+        assert _close(x[finite], y[finite], 1e-5)
+    assert any(x.isnan().any() for x in results[0])
 
 @pytest.mark.parametrize("kind", ["fixed", "steered"])
 def test_the_banded_backward_reads_only_the_bands(monkeypatch, kind):
