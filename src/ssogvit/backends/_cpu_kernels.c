@@ -443,8 +443,9 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
             int banded = band != NULL;                                                                                \
-            for (int64_t e = 0; banded && e < n * dh; ++e)                                                            \
-                banded = isfinite(cols[e]) && isfinite(gb[e / dh * g_st + e % dh]);                                   \
+            for (int64_t t = 0; banded && t < n; ++t) /* every value (cols holds them all) and dL/dout */             \
+                for (int64_t d = 0; banded && d < dh; ++d)                                                            \
+                    banded = isfinite(cols[t * dh + d]) && isfinite(gb[t * g_st + d]);                                \
             memset(colt, 0, sizeof(T) * gw * dh * py);                                                                \
             for (int64_t k = 0; k < gw; ++k)                                                                          \
                 for (int64_t jy = 0; jy < gh; ++jy)                                                                   \
