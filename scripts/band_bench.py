@@ -3,8 +3,12 @@
 Each point (mixer, grid side, field width, banded or dense) runs in a fresh process; the repeats are interleaved
 (every point once, then every point again), so that a busy spell of a shared machine falls on both sides of a ratio.
 Prints, per point, the medians and the ratio banded / dense, and the bands' mean length over the row's.
+``--train`` times a training step (forward and backward; both read the bands, or neither), ``--part mixing`` the
+mixing op alone (``ops.ssog_mix_field``, ``ops.ssog_mix_steered`` of the mixer's geometry) without the value and
+output projections around it.
 
     PYTHONPATH=src python scripts/band_bench.py --sides 32 64 128 256 --sigmas 0.5 1 2 4 --repeats 3
+    PYTHONPATH=src python scripts/band_bench.py --train --part mixing --sides 64 128 --sigmas 1
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import subprocess
 import sys
 
 
-def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, dim: int, heads: int, calls: int,
-           threads: int) -> dict:
-    """One point, in this process: the mixer's forward (inference) or forward and backward (training step), the
-    median of ``calls`` timed calls after two warm-up calls."""
+def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, part: str, dim: int, heads: int,
+           calls: int, threads: int) -> dict:
+    """One point, in this process: the mixer's (or with ``part="mixing"`` the mixing op's) forward (inference) or
+    forward and backward (training step), the median of ``calls`` timed calls after two warm-up calls."""
     import time
 
     import torch
 
-    from ssogvit import core
+    from ssogvit import core, ops
     from ssogvit.backends import cpu
     from ssogvit.layers import create_mixer
 
@@ -36,13 +40,26 @@ def _point(kind: str, side: int, sigma: float, banded: bool, train: bool, dim: i
         mixer.rho.fill_(float(torch.log(torch.expm1(torch.tensor(max(sigma - 0.25 - 1e-4, 1e-3))))))
         mixer.theta.fill_(float(torch.log(torch.expm1(torch.tensor(0.5)))))
     x = torch.randn(1, 1 + side * side, dim, requires_grad=train)
+    grid = (side, side)
+    if part == "mixing" and kind == "ssog":
+        def mix():
+            return ops.ssog_mix_field(x, grid, mixer.mu, mixer.sigma(), mixer.mixture(), mixer.tau())
+    elif part == "mixing":
+        with torch.no_grad():
+            geometry = [t.detach().requires_grad_(train) for t in mixer.geometry(x[:, 1:])]
+
+        def mix():
+            return ops.ssog_mix_steered(x, grid, *geometry, mixer.tau())
+    else:
+        def mix():
+            return mixer(x, grid)
 
     def call():
         if train:
-            mixer(x, (side, side)).sum().backward()
+            mix().sum().backward()
         else:
             with torch.no_grad():
-                mixer(x, (side, side))
+                mix()
 
     times = []
     for i in range(calls + 2):
@@ -62,6 +79,8 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--sigmas", nargs="+", type=float, default=[1.0, 4.0])
     parser.add_argument("--train", action="store_true", help="time a training step (forward and backward)")
+    parser.add_argument("--part", choices=["mixer", "mixing"], default="mixer", help="the whole mixer (value and "
+                        "output projections included) or the mixing op alone")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--calls", type=int, default=3)
@@ -73,8 +92,8 @@ def main() -> None:
     if args.point:
         print(json.dumps(_point(**json.loads(args.point))))
         return
-    points = [dict(kind=k, side=n, sigma=s, banded=b, train=args.train, dim=args.dim, heads=args.heads,
-                   calls=args.calls, threads=args.threads)
+    points = [dict(kind=k, side=n, sigma=s, banded=b, train=args.train, part=args.part, dim=args.dim,
+                   heads=args.heads, calls=args.calls, threads=args.threads)
               for k in args.kinds for n in args.sides for s in args.sigmas for b in (False, True)]
     results: dict[int, list[dict]] = {i: [] for i in range(len(points))}
     for _ in range(args.repeats):  # interleaved: every point once per round, each in a fresh process

@@ -2,6 +2,7 @@
 and the dense float64 reference, as registered torch ops (``torch.library.opcheck``), what it refuses, and how it is
 built, cached, and replaced when it cannot be."""
 
+import inspect
 import json
 import os
 import shutil
@@ -487,24 +488,41 @@ def test_a_band_leaves_out_at_most_the_unit_roundoff_of_each_row(dtype):
             assert float((hi - lo)[narrow].float().mean()) < 0.1 * length
 
 
-def _forced_bands(monkeypatch):
-    """Bands read wherever given (``BAND_FRACTION`` above any fraction), and a record of the calls that had them."""
+def _record_bands(monkeypatch):
+    """A record of the kernel's calls, forward (``_mix_into``) and backward (``_fixed_grads``, ``_steered_grads``), as
+    ``(call, whether it was given bands)``."""
     assert cpu.available()  # its first-use check done before the record starts
     used = []
-    mix_into = cpu._mix_into
+
+    def spy(name, keyword):
+        plain = getattr(cpu, name)
+
+        def call(*args, **kwargs):
+            bands = inspect.signature(plain).bind(*args, **kwargs).arguments.get(keyword)
+            used.append((name, bands is not None))
+            return plain(*args, **kwargs)
+        monkeypatch.setattr(cpu, name, call)
+
+    for name, keyword in (("_mix_into", "bands"), ("_fixed_grads", "bands"), ("_steered_grads", "band")):
+        spy(name, keyword)
+    return used
+
+
+def _forced_bands(monkeypatch):
+    """Bands read wherever given (``BAND_FRACTION`` above any fraction), and the record of ``_record_bands``."""
+    used = _record_bands(monkeypatch)
     monkeypatch.setattr(cpu, "BAND_FRACTION", 1.0)
-    monkeypatch.setattr(cpu, "_mix_into", lambda *a, bands=None, **k: used.append(bands is not None) or
-                        mix_into(*a, bands=bands, **k))
     return used
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("grid,prefix,wide", [((23, 31), 1, False), ((6, 29), 2, False), ((9, 13), 0, True)])
 def test_the_banded_mixing_equals_the_dense_reference_forward_and_backward(monkeypatch, dtype, grid, prefix, wide):
-    """Fixed (the field's own op, and tables with their bands in inference) and steered, with the bands forced: the
-    output and the gradients of the values and of every field parameter against autograd through the dense float64
-    reference, to the tolerance of the dense kernels; rectangular grids, prefix tokens, and atoms so wide (``wide``)
-    that the band is the whole row."""
+    """Fixed (the field's own op, and tables with their bands in inference) and steered (the geometry given, and
+    predicted from the tokens by the steering maps), with the bands forced in the forward and the backward: the output
+    and the gradients of the values, of every field parameter and of every steering input against autograd through
+    the dense float64 reference, to the tolerance of the dense kernels; rectangular grids, prefix tokens, and atoms so
+    wide (``wide``) that the band is the whole row."""
     used = _forced_bands(monkeypatch)
     g = torch.Generator().manual_seed(8)
     h, r, dh, b = 2, 3, 5, 2
@@ -545,35 +563,122 @@ def test_the_banded_mixing_equals_the_dense_reference_forward_and_backward(monke
     for name, x, y in zip(("out", "values", "mu", "sigma", "lam"), (out, *torch.autograd.grad(out, inputs, grad)),
                           want):
         assert _close(x, y, tol), ("steered", name)
-    assert used == [True] * 3, used  # the field's op, the tables' in place, the steered forward: all banded
+
+    width = 6  # the steered geometry predicted from tokens: warm gates, every path steered
+    tokens = torch.randn(b, n, width, generator=g, dtype=dtype)
+    ell = torch.randn(h, r, generator=g, dtype=dtype)
+    steering = [torch.tensor(-1.0, dtype=dtype)] * 3 + [
+        torch.randn(shape, generator=g, dtype=dtype) * 0.3 for k in (2 * h * r, 2 * h * r, h * r)
+        for shape in ((k, width), (k,))]
+    geometry = dict(steer=("mu", "sigma", "lambda"), radius=4.0)
+    dense_in = [t.detach().double().requires_grad_() for t in (values, tokens, mu, sigma, ell, tau, *steering)]
+    want = _dense_steered(dense_in[0], *core.token_geometry(dense_in[1], *dense_in[2:5], *dense_in[6:], **geometry),
+                          dense_in[5], grid, prefix)
+    want = (want, *torch.autograd.grad(want, dense_in, grad.double()))
+    inputs = [t.clone().requires_grad_() for t in (values, tokens, mu, sigma, ell, tau, *steering)]
+    out = ops.ssog_mix_steered_by_tokens(*inputs[:1], grid, *inputs[1:], **geometry, impl="cpu")
+    names = ("out", "values", "tokens", "mu", "sigma", "ell", "tau", *(f"steering {i}" for i in range(9)))
+    for name, x, y in zip(names, (out, *torch.autograd.grad(out, inputs, grad)), want):
+        assert _close(x, y, tol), ("steered by tokens", name)
+    forward, fixed, steered = (("_mix_into", True),), (("_fixed_grads", True),), (("_steered_grads", True),)
+    # the field's op both ways, the tables' in place, the steered op both ways (given and predicted): all banded
+    assert used == [*forward, *fixed, *forward, *forward, *steered, *forward, *steered], used
 
 
 def test_the_banded_mixing_is_taken_where_the_bands_are_short_and_keeps_non_finite_values_as_the_dense_one(
         monkeypatch):
     """``impl="auto"`` reads the bands where their mean length is at most ``BAND_FRACTION`` of the row (a narrow
-    field on a 64 x 48 grid), not where it is more (a 6 x 5 grid); a value that is infinite far from a row's band
-    meets that row's zero weights as in the dense mixing (NaN at the same places as the torch backend)."""
-    assert cpu.available()
-    used = []
-    mix_into = cpu._mix_into
-    monkeypatch.setattr(cpu, "_mix_into", lambda *a, bands=None, **k: used.append(bands is not None) or
-                        mix_into(*a, bands=bands, **k))
+    field on a 64 x 48 grid), in inference and both ways of a training step, not where it is more (a 6 x 5 grid); a
+    value that is infinite far from a row's band meets that row's zero weights as in the dense mixing (NaN at the same
+    places as the torch backend)."""
+    used = _record_bands(monkeypatch)
     mixer = SSoGAttentionFor(num_heads=2)
     for grid in ((64, 48), (6, 5)):
         x = torch.randn(1, 1 + grid[0] * grid[1], 16)
         with torch.no_grad():
             mixer(x, grid)
         mixer(x, grid).sum().backward()
-    assert used == [True, True, False, False]
+    forward, backward = (("_mix_into", True), ("_mix_into", True)), (("_fixed_grads", True),)
+    assert used == [*forward, *backward, *((name, False) for name, _ in (*forward, *backward))], used
     values = torch.randn(1, 64 * 48, 16)
     values[0, 5, 3] = float("inf")
     mu, sigma, lam = torch.zeros(2, 2, 2), torch.full((2, 2, 2), 0.7), torch.full((2, 2), 0.5)
     tau = torch.tensor(1.0)
     got, want = (ops.ssog_mix_field(values, (64, 48), mu, sigma, lam, tau, impl=impl) for impl in ("cpu", "stacked"))
-    assert used[-1] and (got.isnan() == want.isnan()).all() and got.isnan().any()
+    assert used[-1] == ("_mix_into", True) and (got.isnan() == want.isnan()).all() and got.isnan().any()
     finite = want.isfinite()
     assert _close(got[finite], want[finite], 1e-5)
 
+
+@pytest.mark.parametrize("kind", ["fixed", "steered"])
+@pytest.mark.parametrize("where", ["values", "grad", "mu", "lam"])
+def test_the_banded_backward_keeps_non_finite_numbers_where_the_dense_one_puts_them(monkeypatch, kind, where):
+    """On a grid where the backward reads the bands: an infinite value or output gradient, a NaN centre or weight of
+    one atom gives NaN and infinities in every gradient at the places where the torch backend's has them
+    (a head with non-finite values or output gradient, a field or geometry with a non-finite number is
+    differentiated whole: docs/operator.md, "Bands")."""
+    used = _record_bands(monkeypatch)
+    grid, n = (64, 48), 64 * 48
+    g = torch.Generator().manual_seed(6)
+    values, grad = (torch.randn(1, 1 + n, 16, generator=g) for _ in range(2))
+    mu, sigma, lam = torch.zeros(2, 2, 2), torch.full((2, 2, 2), 0.7), torch.full((2, 2), 0.5)
+    tau = torch.tensor(1.0)
+    if kind == "steered":
+        mu, sigma, lam = (t.expand(1, n, *t.shape).clone() for t in (mu, sigma, lam))
+    places = {"values": (values, (0, 5, 3), "inf"), "grad": (grad, (0, 700, 9), "inf"),
+              "mu": (mu, (1, 0, 1) if kind == "fixed" else (0, 900, 1, 0, 1), "nan"),
+              "lam": (lam, (0, 1) if kind == "fixed" else (0, 1500, 0, 1), "nan")}
+    tensor, index, number = places[where]
+    tensor[index] = float(number)
+    mix = ops.ssog_mix_field if kind == "fixed" else ops.ssog_mix_steered
+    results = []
+    for impl in ("cpu", "stacked"):
+        leaves = [t.clone().requires_grad_() for t in (values, mu, sigma, lam)]
+        results.append(torch.autograd.grad(mix(leaves[0], grid, *leaves[1:], tau, impl=impl), leaves, grad))
+    assert used[0] == ("_mix_into", True), used
+    for x, y in zip(*results):
+        assert (x.isnan() == y.isnan()).all() and (x.isinf() == y.isinf()).all()
+        finite = y.isfinite()
+        assert _close(x[finite], y[finite], 1e-5)
+    assert any(x.isnan().any() for x in results[0])
+
+@pytest.mark.parametrize("kind", ["fixed", "steered"])
+def test_the_banded_backward_reads_only_the_bands(monkeypatch, kind):
+    """With every atom centred 12 cells right of its query (``sigma`` 0.5), the x-band of no query reaches the first
+    columns: there the banded backward, which ``impl="auto"`` takes by itself, gives the values an exact zero
+    gradient, where the dense backward (``BAND_FRACTION`` below every fraction) and the dense float64 reference have
+    the entries of order ``1e-250`` that the bands leave out; every gradient agrees with the reference."""
+    used = _record_bands(monkeypatch)
+    dtype, grid, (h, r, dh) = torch.float64, (24, 40), (2, 2, 3)
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn(1, grid[0] * grid[1], h * dh, generator=g, dtype=dtype)
+    grad = torch.randn(values.shape, generator=g, dtype=dtype)
+    mu = torch.tensor([0.0, 12.0], dtype=dtype).expand(h, r, 2).clone()
+    sigma, tau = torch.full((h, r, 2), 0.5, dtype=dtype), torch.tensor(0.5, dtype=dtype)
+    lam = torch.full((h, r), 1 / r, dtype=dtype)
+    if kind == "fixed":
+        inputs, mix = (values, mu, sigma, lam), lambda v, *a: ops.ssog_mix_field(v, grid, *a, tau, impl="cpu")
+        matrix = lambda *a: reference.dense_fixed_matrix(*a, tau, grid)  # noqa: E731
+    else:
+        n = grid[0] * grid[1]
+        inputs = (values, *(t.expand(1, n, *t.shape).clone() for t in (mu, sigma, lam)))
+        mix = lambda v, *a: ops.ssog_mix_steered(v, grid, *a, tau, impl="cpu")  # noqa: E731
+        matrix = lambda *a: reference.dense_steered_matrix(*a, tau, grid)  # noqa: E731
+    dense_in = [t.clone().requires_grad_() for t in inputs]
+    want = torch.autograd.grad(reference.dense_mix(matrix(*dense_in[1:]), dense_in[0]), dense_in, grad)
+    got = []
+    for fraction in (cpu.BAND_FRACTION, -1.0):
+        monkeypatch.setattr(cpu, "BAND_FRACTION", fraction)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        got.append(torch.autograd.grad(mix(*leaves), leaves, grad))
+    name = "_fixed_grads" if kind == "fixed" else "_steered_grads"
+    assert used == [("_mix_into", True), (name, True), ("_mix_into", False), (name, False)], used
+    (banded, *_), (dense, *_) = got
+    far = torch.arange(grid[0] * grid[1]) % grid[1] < 4  # the tokens of the first four columns
+    assert (banded[0, far] == 0).all()
+    assert (dense[0, far] != 0).all() and (want[0][0, far] != 0).all()
+    for x, y in zip((*got[0], *got[1]), (*want, *want)):
+        assert _close(x, y, 1e-12)
 
 def SSoGAttentionFor(num_heads):
     from ssogvit.layers import create_mixer

@@ -224,6 +224,37 @@ static inline void band_union(const int32_t *band, int64_t stride, int64_t count
     }
 }
 
+/* The backwards' transposed bands: for each column j < n, the hull [lo, hi) of the `count` rows whose band
+ * (int32 [lo, hi) pairs, `stride` ints apart) holds j, as int32 pairs in `col` (lo >= hi: none does); with `add`
+ * widened to cover the rows of these bands as well (the union over atoms). */
+static inline void band_columns(const int32_t *band, int64_t stride, int64_t count, int64_t n, int32_t *col,
+                                int add) {
+    for (int64_t j = 0; !add && j < n; ++j)
+        col[2 * j] = (int32_t)count, col[2 * j + 1] = 0;
+    for (int64_t i = 0; i < count; ++i)
+        for (int64_t j = band[i * stride]; j < band[i * stride + 1]; ++j) {
+            col[2 * j] = i < col[2 * j] ? (int32_t)i : col[2 * j];
+            col[2 * j + 1] = i + 1 > col[2 * j + 1] ? (int32_t)(i + 1) : col[2 * j + 1];
+        }
+}
+
+/* The union of `count` transposed bands (band_columns'), [0, 0) where all are empty. */
+static inline void column_union(const int32_t *col, int64_t count, int64_t *lo, int64_t *hi) {
+    band_union(col, 2, count, lo, hi);
+    if (*hi <= *lo)
+        *lo = *hi = 0;
+}
+
+/* [lo, hi) widened to a whole number of `w`-entry vectors inside [0, limit), where it fits: a product along the band
+ * then runs in vectors, with no entry-by-entry tail (the entries it adds are computed exactly, as in the dense
+ * kernel). */
+static inline void band_widen(int64_t *lo, int64_t *hi, int64_t limit, int64_t w) {
+    int64_t len = (*hi - *lo + w - 1) / w * w;
+    len = len < limit ? len : limit;
+    *hi = *lo + len < limit ? *lo + len : limit;
+    *lo = *hi - len;
+}
+
 int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     return 2 * gh * gw * dh + r * gw * dh + r * (gh > gw ? gh : gw) * SSOG_LANES(gw);
 }
@@ -295,8 +326,8 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
 #define SSOG_GEMM_NT(NAME, T, VEC)                                                                                \
     static inline void NAME(T *c, int64_t ldc, int64_t cs, const T *a, int64_t lda, const T *b, int64_t ldb,      \
                             int64_t m, int64_t nn, int64_t kk, int add) {                                         \
-        typedef VEC vec;                                                                                          \
-        enum { W = VEC_BYTES / sizeof(T) };                                                                       \
+        typedef VEC vec;                                                                                              \
+        enum { W = VEC_BYTES / sizeof(T) };                                                                           \
         int64_t kv = kk / W * W;                                                                                  \
         for (int64_t i0 = 0; i0 < m; i0 += 4) {                                                                   \
             int64_t mi = m - i0 < 4 ? m - i0 : 4;                                                                 \
@@ -317,8 +348,8 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                         vec x = *(const vec *)(ra[i] + d);                                                        \
                         for (int j = 0; j < NT_J; ++j)                                                            \
                             acc[i][j] += x * y[j];                                                                \
-                    }                                                                                             \
-                }                                                                                                 \
+                    }                                                                                                 \
+                }                                                                                                     \
                 for (int64_t i = 0; i < mi; ++i)                                                                  \
                     for (int64_t j = 0; j < nj; ++j) {                                                            \
                         T sum = 0;                                                                                \
@@ -328,9 +359,9 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                             sum += ra[i][d] * rb[j][d];                                                           \
                         T *o = c + (i0 + i) * ldc + (j0 + j) * cs;                                                \
                         *o = add ? *o + sum : sum;                                                                \
-                    }                                                                                             \
-            }                                                                                                     \
-        }                                                                                                         \
+                    }                                                                                                 \
+            }                                                                                                         \
+        }                                                                                                             \
     }
 
 /* c[i ldc + j] (+)= sum_d a[i lda + d] b[j ldb + d] for i < m, j < nn, d < kk when kk is short (a head's width):
@@ -378,33 +409,43 @@ int64_t ssog_mix_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
  * dL/dW = G U^T, dL/dU = W^T G, dL/dlam = sum_k dL/dW K^x, dL/dK^x = lam dL/dW, dL/dK^y = dL/dU V^T,
  * dL/dV = K^y^T dL/dU. Arguments as in ssog_mix_*, plus g (dL/dout, rows `g_st` and images `g_sb` apart), gv (dL/dV
  * of the patch rows, written; rows `gv_st`, images `gv_sb` apart) and g_mu, g_s, g_lam (shaped as mu, s, lam,
- * written); `work`: ssog_mix_grad_work(...) numbers per thread. */
+ * written). `band`: the steered bands of ssog_mix_* as one array (B, N, H, R, 2, 2), or NULL: each product then
+ * reads only the entries of the bands, the column pass and dL/dK^y the union of the atoms' y-bands of a token, dL/dW
+ * and dL/dU the queries whose x-band (of an atom) holds one of four sources k, and the tables' gradients are zero
+ * outside the bands (docs/operator.md, "Bands"); a head whose values or output gradient are not all finite is
+ * differentiated whole. `work`: ssog_mix_grad_work(...) numbers per thread. */
 int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
     int64_t rg = r * gw, cp = SSOG_LANES(gw), py = SSOG_LANES(gh);
     return 2 * gh * gw * dh + gw * dh * py + 2 * rg * dh + gw * dh + r * gh * cp + r * py + 3 * rg * cp +
-           SSOG_BT_SCRATCH(rg, gw, dh);
+           SSOG_BT_SCRATCH(rg, gw, dh) + 2 * rg;
 }
 
 #define SSOG_MIX_GRAD(NAME, ROWS, GEMM, GEMM_BT, ROW_GRAD, T, VEC, INTS, TINY)                                        \
-    void NAME(const T *v, const T *g, T *gv, const T *mu, const T *s, const T *lam, T *g_mu, T *g_s, T *g_lam,        \
-              T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st,            \
-              int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r,              \
-              int64_t dh) {                                                                                           \
+    void NAME(const T *v, const T *g, T *gv, const T *mu, const T *s, const T *lam, const int32_t *band, T *g_mu,     \
+              T *g_s, T *g_lam, T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb,        \
+              int64_t g_st, int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads,           \
+              int64_t r, int64_t dh) {                                                                                \
         int64_t n = gh * gw, units = b * heads, size = ssog_mix_grad_work(gh, gw, r, dh), rg = r * gw;                \
         int64_t cp = SSOG_LANES(gw), py = SSOG_LANES(gh), qs = heads * r, macs = 3 * n * r * (gh + gw) * dh;          \
         typedef VEC vec;                                                                                              \
         typedef INTS ints;                                                                                            \
         enum { L = VEC_BYTES / sizeof(T) };                                                                           \
+        int64_t pw = (gw + L - 1) / L * L;                                                                            \
         SSOG_UNITS_BEGIN                                                                                              \
-            int64_t bi = unit / heads, h = unit % heads;                                                              \
+            int64_t bi = unit / heads, h = unit % heads, lo, hi;                                                      \
             /* the head's values column by column, and each column transposed (dh rows of py, zero-padded) */         \
             T *cols = work + omp_get_thread_num() * size, *gcols = cols + n * dh, *colt = gcols + n * dh;             \
             T *u = colt + gw * dh * py, *gu = u + rg * dh, *gq = gu + rg * dh, *ky = gq + gw * dh;                    \
             T *gky = ky + r * gh * cp, *kx = gky + r * py, *w = kx + rg * cp, *gwq = w + rg * cp;                     \
             T *scratch = gwq + rg * cp;                                                                               \
+            int32_t *xcol = (int32_t *)(scratch + SSOG_BT_SCRATCH(rg, gw, dh));                                       \
             const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;                 \
             for (int64_t t = 0; t < n; ++t)                                                                           \
                 memcpy(cols + (t % gw * gh + t / gw) * dh, vb + t * v_st, sizeof(T) * dh);                            \
+            int banded = band != NULL;                                                                                \
+            for (int64_t t = 0; banded && t < n; ++t) /* every value (cols holds them all) and dL/dout */             \
+                for (int64_t d = 0; banded && d < dh; ++d)                                                            \
+                    banded = isfinite(cols[t * dh + d]) && isfinite(gb[t * g_st + d]);                                \
             memset(colt, 0, sizeof(T) * gw * dh * py);                                                                \
             for (int64_t k = 0; k < gw; ++k)                                                                          \
                 for (int64_t jy = 0; jy < gh; ++jy)                                                                   \
@@ -414,8 +455,13 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
             for (int64_t iy = 0; iy < gh; ++iy) {                                                                     \
                 int64_t gi = ((bi * n + iy * gw) * heads + h) * r; /* token (iy, 0) */                                \
                 ROWS(ky, mu + 2 * gi, s + 2 * gi, NULL, 2, 2 * qs, 0, gw, (int)iy, 0, (int)gh, r);                    \
-                for (int64_t k = 0; k < gw; ++k)                                                                      \
-                    GEMM(u + k * dh, gw * dh, ky + k, gh * cp, cp, cols + k * gh * dh, dh, r, gh, dh, 0);             \
+                for (int64_t k = 0; k < gw; ++k) { /* U, within the union of the atoms' y-bands of token (iy, k) */   \
+                    lo = 0, hi = gh;                                                                                  \
+                    if (banded)                                                                                       \
+                        band_union(band + (gi + k * qs) * 4, 4, r, &lo, &hi);                                         \
+                    GEMM(u + k * dh, gw * dh, ky + k + lo * cp, gh * cp, cp, cols + (k * gh + lo) * dh, dh, r,        \
+                         hi - lo, dh, 0);                                                                             \
+                }                                                                                                     \
                 ROWS(kx, mu + 2 * gi + 1, s + 2 * gi + 1, NULL, 2, 2 * qs, 0, gw, 0, 1, (int)gw, r);                  \
                 for (int64_t ri = 0; ri < r; ++ri) /* W = lam K^x, flushed */                                         \
                     for (int64_t k = 0; k < gw; ++k)                                                                  \
@@ -425,8 +471,26 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                         }                                                                                             \
                 for (int64_t ix = 0; ix < gw; ++ix)                                                                   \
                     memcpy(gq + ix * dh, gb + (iy * gw + ix) * g_st, sizeof(T) * dh);                                 \
-                GEMM_BT(gwq, cp, u, dh, gq, dh, rg, gw, dh, 0, scratch); /* dL/dW, laid out as W */                   \
-                GEMM(gu, dh, w, cp, 1, gq, dh, rg, gw, dh, 0);           /* dL/dU = W^T G (R Gw, dh) */               \
+                if (!banded) {                                                                                        \
+                    GEMM_BT(gwq, cp, u, dh, gq, dh, rg, gw, dh, 0, scratch); /* dL/dW, laid out as W */               \
+                    GEMM(gu, dh, w, cp, 1, gq, dh, rg, gw, dh, 0);           /* dL/dU = W^T G (R Gw, dh) */           \
+                } else { /* four sources k of an atom at a time, the queries ix whose x-band holds one of them */     \
+                    T *gt = scratch; /* G transposed (dh rows of pw), so that dL/dW runs along the queries */         \
+                    for (int64_t d = 0; d < dh; ++d)                                                                  \
+                        for (int64_t ix = 0; ix < pw; ++ix)                                                           \
+                            gt[d * pw + ix] = ix < gw ? gq[ix * dh + d] : (T)0;                                       \
+                    memset(gwq, 0, sizeof(T) * rg * cp);                                                              \
+                    for (int64_t ri = 0; ri < r; ++ri)                                                                \
+                        band_columns(band + (gi + ri) * 4 + 2, qs * 4, gw, gw, xcol + ri * gw * 2, 0);                \
+                    for (int64_t ri = 0; ri < r; ++ri)                                                                \
+                        for (int64_t k = 0; k < gw; k += 4) {                                                         \
+                            int64_t m = gw - k < 4 ? gw - k : 4, at = ri * gw + k;                                    \
+                            column_union(xcol + at * 2, m, &lo, &hi);                                                 \
+                            GEMM(gu + at * dh, dh, w + at * cp + lo, cp, 1, gq + lo * dh, dh, m, hi - lo, dh, 0);     \
+                            band_widen(&lo, &hi, pw, L);                                                              \
+                            GEMM(gwq + at * cp + lo, cp, u + at * dh, dh, 1, gt + lo, pw, m, dh, hi - lo, 0);         \
+                        }                                                                                             \
+                }                                                                                                     \
                 for (int64_t ri = 0; ri < r; ++ri) /* the queries (iy, ix), a vector at a time: weights, x-rows */    \
                     for (int64_t c0 = 0; c0 < cp; c0 += L) {                                                          \
                         vec lv, mv, sv, gl = {0}, dot = {0}, sm = {0}, ss = {0};                                      \
@@ -460,8 +524,17 @@ int64_t ssog_mix_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
                         }                                                                                             \
                     }                                                                                                 \
                 for (int64_t k = 0; k < gw; ++k) { /* the tokens (iy, k): their y-rows, and dL/dV */                  \
-                    GEMM(gky, py, gu + k * dh, gw * dh, 1, colt + k * dh * py, py, r, dh, py, 0);                     \
-                    GEMM(gcols + k * gh * dh, dh, ky + k, cp, gh * cp, gu + k * dh, gw * dh, gh, r, dh, 1);           \
+                    lo = 0, hi = gh;                                                                                  \
+                    int64_t wlo = 0, whi = py;                                                                        \
+                    if (banded) { /* the union of the atoms' y-bands, as in the column pass */                        \
+                        band_union(band + (gi + k * qs) * 4, 4, r, &lo, &hi);                                         \
+                        wlo = lo, whi = hi;                                                                           \
+                        band_widen(&wlo, &whi, py, L);                                                                \
+                        memset(gky, 0, sizeof(T) * r * py);                                                           \
+                    }                                                                                                 \
+                    GEMM(gky + wlo, py, gu + k * dh, gw * dh, 1, colt + k * dh * py + wlo, py, r, dh, whi - wlo, 0);  \
+                    GEMM(gcols + (k * gh + lo) * dh, dh, ky + k + lo * cp, cp, gh * cp, gu + k * dh, gw * dh,         \
+                         hi - lo, r, dh, 1);                                                                          \
                     for (int64_t ri = 0; ri < r; ++ri) {                                                              \
                         int64_t at = gi + k * qs + ri;                                                                \
                         ROW_GRAD(ky + ri * gh * cp + k, cp, gky + ri * py, (int)iy, (int)gh, mu[2 * at], s[2 * at],   \
@@ -513,37 +586,84 @@ int64_t ssog_axis_kernels_work(int64_t n) {
  * row jy at a time, the x-pass recomputed: with Kyl = lam K^y (H, R, Gh, Gh) as `kyl`, K^x (H, R, Gw, Gw) as `kx`
  * (both contiguous) and G = dL/dout, U = K^x V[jy], dL/dKyl[r, :, jy] = G U[r]^T, dL/dU[r] = sum_iy Kyl[r, iy, jy]
  * G[iy], dL/dK^x += dL/dU V[jy]^T, dL/dV[jy] = K^x^T dL/dU (G and U read as (Gh, Gw dh) and (R, Gw dh)). Values and
- * gradients as in ssog_mix_grad_*; g_kyl (B, H, R, Gh, Gh) and g_kx (B, H, R, Gw, Gw) are written per image (the
- * caller sums them, so that the result does not depend on the number of threads). `work`:
- * ssog_fixed_grad_work(...) numbers per thread. */
+ * gradients as in ssog_mix_grad_*; g_kyl (B, H, R, Gh, Gh) and g_kx (B, H, R, Gw, Gw), zero on entry, are written
+ * per image (the caller sums them, so that the result does not depend on the number of threads). Bands as in
+ * ssog_mix_* (fixed: `by`, `bx`, or NULL): each product then reads only the entries of the bands, and the tables'
+ * gradients are written within them only (docs/operator.md, "Bands": what consumes them multiplies them by the
+ * table's entries, so this is only for a field's own tables); a head whose values or output gradient are not all
+ * finite is differentiated whole. `work`: ssog_fixed_grad_work(...) numbers per thread. */
 int64_t ssog_fixed_grad_work(int64_t gh, int64_t gw, int64_t r, int64_t dh) {
-    return 3 * gh * gw * dh + 2 * r * gw * dh + SSOG_BT_SCRATCH(r * gw, gw, dh);
+    return 3 * gh * gw * dh + 2 * r * gw * dh + SSOG_BT_SCRATCH(r * gw, gw, dh) + 2 * (r * gw + gh);
 }
 
 #define SSOG_FIXED_GRAD(NAME, GEMM, GEMM_NT, GEMM_BT, T)                                                              \
-    void NAME(const T *v, const T *g, T *gv, const T *kyl, const T *kx, T *g_kyl, T *g_kx, T *work,                   \
-              int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb, int64_t g_st, int64_t gv_sb,      \
-              int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads, int64_t r, int64_t dh) {               \
+    void NAME(const T *v, const T *g, T *gv, const T *kyl, const T *kx, const int32_t *by, const int32_t *bx,         \
+              T *g_kyl, T *g_kx, T *work, int64_t threads, int64_t b, int64_t v_sb, int64_t v_st, int64_t g_sb,       \
+              int64_t g_st, int64_t gv_sb, int64_t gv_st, int64_t p, int64_t gh, int64_t gw, int64_t heads,           \
+              int64_t r, int64_t dh) {                                                                                \
         int64_t n = gh * gw, units = b * heads, size = ssog_fixed_grad_work(gh, gw, r, dh), rg = r * gw;              \
         int64_t row = gw * dh, macs = n * r * (3 * gw + 2 * gh) * dh;                                                 \
+        enum { W = VEC_BYTES / sizeof(T) };                                                                           \
+        int64_t pw = (gw + W - 1) / W * W;                                                                            \
         SSOG_UNITS_BEGIN                                                                                              \
             int64_t bi = unit / heads, h = unit % heads;                                                              \
             T *vr = work + omp_get_thread_num() * size, *gr = vr + n * dh, *gvr = gr + n * dh;                        \
             T *u = gvr + n * dh, *gu = u + rg * dh, *scratch = gu + rg * dh;                                          \
+            int32_t *xcol = (int32_t *)(scratch + SSOG_BT_SCRATCH(rg, gw, dh)), *ycol = xcol + 2 * rg;                \
             const T *vb = v + bi * v_sb + p * v_st + h * dh, *gb = g + bi * g_sb + p * g_st + h * dh;                 \
             for (int64_t t = 0; t < n; ++t) { /* the head's values and output gradient, in raster order */            \
                 memcpy(vr + t * dh, vb + t * v_st, sizeof(T) * dh);                                                   \
                 memcpy(gr + t * dh, gb + t * g_st, sizeof(T) * dh);                                                   \
             }                                                                                                         \
+            int banded = by != NULL;                                                                                  \
+            for (int64_t e = 0; banded && e < n * dh; ++e)                                                            \
+                banded = isfinite(vr[e]) && isfinite(gr[e]);                                                          \
+            const int32_t *by_h = banded ? by + h * r * gh * 2 : NULL, *bx_h = banded ? bx + h * rg * 2 : NULL;       \
+            for (int64_t ri = 0; banded && ri < r; ++ri) { /* the rows iy (any atom), queries ix holding a column */  \
+                band_columns(by_h + ri * gh * 2, 2, gh, gh, ycol, ri > 0);                                            \
+                band_columns(bx_h + ri * gw * 2, 2, gw, gw, xcol + ri * gw * 2, 0);                                   \
+            }                                                                                                         \
             const T *kyl_h = kyl + h * r * gh * gh, *kx_h = kx + h * rg * gw;                                         \
             T *gkyl = g_kyl + unit * r * gh * gh, *gkx = g_kx + unit * rg * gw;                                       \
             for (int64_t jy = 0; jy < gh; ++jy) {                                                                     \
                 const T *vj = vr + jy * row;                                                                          \
-                GEMM(u, dh, kx_h, gw, 1, vj, dh, rg, gw, dh, 0);                 /* U = K^x V[jy] (R Gw, dh) */       \
-                GEMM_NT(gkyl + jy, gh, gh * gh, gr, row, u, row, gh, r, row, 0); /* dL/dKyl[:, :, jy] */              \
-                GEMM(gu, row, kyl_h + jy, gh * gh, gh, gr, row, r, gh, row, 0); /* dL/dU (R, Gw dh) */                \
-                GEMM_BT(gkx, gw, gu, dh, vj, dh, rg, gw, dh, jy > 0, scratch);   /* dL/dK^x (R Gw, Gw) */             \
-                GEMM(gvr + jy * row, dh, kx_h, 1, gw, gu, dh, gw, rg, dh, 0);   /* dL/dV[jy] (Gw, dh) */              \
+                if (!banded) {                                                                                        \
+                    GEMM(u, dh, kx_h, gw, 1, vj, dh, rg, gw, dh, 0);                 /* U = K^x V[jy] (R Gw, dh) */   \
+                    GEMM_NT(gkyl + jy, gh, gh * gh, gr, row, u, row, gh, r, row, 0); /* dL/dKyl[:, :, jy] */          \
+                    GEMM(gu, row, kyl_h + jy, gh * gh, gh, gr, row, r, gh, row, 0); /* dL/dU (R, Gw dh) */            \
+                    GEMM_BT(gkx, gw, gu, dh, vj, dh, rg, gw, dh, 1, scratch);       /* dL/dK^x (R Gw, Gw) */          \
+                    GEMM(gvr + jy * row, dh, kx_h, 1, gw, gu, dh, gw, rg, dh, 0);   /* dL/dV[jy] (Gw, dh) */          \
+                    continue;                                                                                         \
+                }                                                                                                     \
+                int64_t lo, hi;                                                                                       \
+                for (int64_t ri = 0; ri < r; ++ri) /* U, per atom and four queries ix: the union of their bands */    \
+                    for (int64_t ix = 0; ix < gw; ix += 4) {                                                          \
+                        int64_t m = gw - ix < 4 ? gw - ix : 4, at = ri * gw + ix;                                     \
+                        band_union(bx_h + at * 2, 2, m, &lo, &hi);                                                    \
+                        GEMM(u + at * dh, dh, kx_h + at * gw + lo, gw, 1, vj + lo * dh, dh, m, hi - lo, dh, 0);       \
+                    }                                                                                                 \
+                column_union(ycol + 2 * jy, 1, &lo, &hi); /* the rows iy whose band (any atom) holds jy */            \
+                GEMM_NT(gkyl + lo * gh + jy, gh, gh * gh, gr + lo * row, row, u, row, hi - lo, r, row, 0);            \
+                GEMM(gu, row, kyl_h + lo * gh + jy, gh * gh, gh, gr + lo * row, row, r, hi - lo, row, 0);             \
+                T *vt = scratch; /* V[jy] transposed (dh rows of pw), so that dL/dK^x runs along the bands */         \
+                for (int64_t d = 0; d < dh; ++d)                                                                      \
+                    for (int64_t j = 0; j < pw; ++j)                                                                  \
+                        vt[d * pw + j] = j < gw ? vj[j * dh + d] : (T)0;                                              \
+                for (int64_t ri = 0; ri < r; ++ri)                                                                    \
+                    for (int64_t ix = 0; ix < gw; ix += 4) {                                                          \
+                        int64_t m = gw - ix < 4 ? gw - ix : 4, at = ri * gw + ix;                                     \
+                        band_union(bx_h + at * 2, 2, m, &lo, &hi);                                                    \
+                        band_widen(&lo, &hi, gw, W);                                                                  \
+                        GEMM(gkx + at * gw + lo, gw, gu + at * dh, dh, 1, vt + lo, pw, m, dh, hi - lo, 1);            \
+                    }                                                                                                 \
+                for (int64_t ri = 0; ri < r; ++ri) /* dL/dV[jy], four columns jx at a time: the queries ix reading    \
+                                                      one of them */                                                  \
+                    for (int64_t jx = 0; jx < gw; jx += 4) {                                                          \
+                        int64_t m = gw - jx < 4 ? gw - jx : 4;                                                        \
+                        column_union(xcol + (ri * gw + jx) * 2, m, &lo, &hi);                                         \
+                        GEMM(gvr + (jy * gw + jx) * dh, dh, kx_h + (ri * gw + lo) * gw + jx, 1, gw,                   \
+                             gu + (ri * gw + lo) * dh, dh, m, hi - lo, dh, ri > 0);                                   \
+                    }                                                                                                 \
             }                                                                                                         \
             T *ob = gv + bi * gv_sb + p * gv_st + h * dh;                                                             \
             for (int64_t t = 0; t < n; ++t)                                                                           \

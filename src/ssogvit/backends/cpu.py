@@ -110,7 +110,7 @@ def _build_or_load() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: another process sees the old state or the whole library
     handle = ctypes.CDLL(str(lib))
     # name: (pointer arguments, integer arguments, arguments of its scratch size, or None: no scratch)
-    signatures = {"ssog_mix": (10, 12, 4), "ssog_mix_grad": (10, 14, 4), "ssog_fixed_grad": (8, 14, 4),
+    signatures = {"ssog_mix": (10, 12, 4), "ssog_mix_grad": (11, 14, 4), "ssog_fixed_grad": (10, 14, 4),
                   "ssog_axis_kernels": (4, 2, 1), "ssog_axis_kernels_grad": (6, 2, None)}
     for name, (pointers, ints, work_ints) in signatures.items():
         for suffix in _SUFFIX.values():
@@ -185,6 +185,29 @@ def _narrow(bands: tuple[Tensor, ...] | None, *lengths: int | Tensor) -> tuple[T
     return bands if bands is not None and all(banded(b, n) for b, n in zip(bands, lengths)) else None
 
 
+def _field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """The field's bands (``core.field_bands``, ``(H, R, 2)`` centres and scales) where they pay, else ``None``: what
+    its op's forward and backward both read."""
+    if not may_band(scale, grid, dtype):
+        return None
+    return _narrow(tuple(b.contiguous() for b in core.field_bands(mu, scale, grid, dtype)), *grid)
+
+
+def _token_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
+    """The steered geometry's bands (``core.token_bands``, one contiguous ``(B, N, H, R, 2, 2)`` array) where they
+    pay, else ``None``: what the steered op's forward and backward both read."""
+    if not may_band(scale, grid, dtype):
+        return None
+    band = _narrow((core.token_bands(mu, scale, grid, dtype),), torch.tensor(grid))
+    return band and band[0].contiguous()
+
+
+def _finite(*tensors: Tensor) -> bool:
+    """Whether the field or geometry is finite: a backward reads the bands only then, so that a NaN or an infinity
+    of a kernel row reaches every gradient the dense backward takes it to (docs/operator.md, "Bands")."""
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 def _mix_into(out: Tensor, values: Tensor, grid: tuple[int, int], heads: int, atoms: int, *,
               steered: tuple[Tensor, Tensor, Tensor] | None = None, fixed: tuple[Tensor, Tensor] | None = None,
               bands: tuple[Tensor, Tensor] | None = None) -> None:
@@ -254,17 +277,22 @@ def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, la
     return _fixed_grads(grad, values, ky, kx, lam)
 
 
-def _fixed_grads(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fixed_grads(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor,
+                 bands: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ssog_fixed_grad_*``: the gradients of the fixed mixing for the values, both tables and ``lam``; with
+    ``bands`` (``_field_bands``: the tables must be that field's) every product reads only the bands, and the
+    tables' gradients are zero outside them (docs/operator.md, "Bands")."""
     grad, values = _rows(grad), _rows(values)
     (b, t, d), (h, r), (gh, gw) = values.shape, lam.shape, _grid(ky, kx)
     kyl = core.flush_tiny_product(ky * lam[:, :, None, None]).contiguous()
     threads = _threads(b * h)
     work = _work("ssog_fixed_grad", threads, gh, gw, r, d // h, dtype=values.dtype)
     g_values = values.new_zeros(values.shape)
-    g_kyl, g_kx = values.new_empty(b, h, r, gh, gh), values.new_empty(b, h, r, gw, gw)  # per image, summed below
+    g_kyl, g_kx = values.new_zeros(b, h, r, gh, gh), values.new_zeros(b, h, r, gw, gw)  # per image, summed below
+    band_y, band_x = bands or (None, None)
     getattr(_library(), f"ssog_fixed_grad_{_SUFFIX[values.dtype]}")(
-        *(x.data_ptr() for x in (values, grad, g_values, kyl, kx.contiguous(), g_kyl, g_kx, work)), threads, b,
+        *(x.data_ptr() if x is not None else None for x in (values, grad, g_values, kyl, kx.contiguous(), band_y,
+                                                             band_x, g_kyl, g_kx, work)), threads, b,
         values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
         t - gh * gw, gh, gw, h, r, d // h)
     add_prefix_grad(g_values, grad, t - gh * gw)
@@ -283,11 +311,10 @@ def _steered_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int
 
 
 def _steered_into(out: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, grid: tuple[int, int]) -> None:
-    """The steered mixing into ``out``, banded where that pays (``core.token_bands``, ``banded``)."""
-    band = _narrow((core.token_bands(mu, scale, grid, values.dtype),), torch.tensor(grid)) if may_band(
-        scale, grid, values.dtype) else None
+    """The steered mixing into ``out``, banded where that pays (``_token_bands``)."""
+    band = _token_bands(mu, scale, grid, values.dtype)
     _mix_into(out, values, grid, *mu.shape[2:4], steered=(mu.contiguous(), scale.contiguous(), lam.contiguous()),
-              bands=band and (band[0][..., 0, :], band[0][..., 1, :]))
+              bands=None if band is None else (band[..., 0, :], band[..., 1, :]))
 
 
 @torch.library.custom_op("ssogvit::cpu_steered_mix_", mutates_args=("values",), device_types="cpu")
@@ -302,15 +329,24 @@ def _steered_mix_(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: in
 @torch.library.custom_op("ssogvit::cpu_steered_mix_backward", mutates_args=(), device_types="cpu")
 def _steered_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``cpu_steered_mix`` for ``values``, ``mu``, ``scale`` and ``lam`` given ``grad``."""
+    """Gradients of ``cpu_steered_mix`` for ``values``, ``mu``, ``scale`` and ``lam`` given ``grad``, reading the
+    bands its forward reads where the geometry is finite (docs/operator.md, "Bands")."""
+    band = _token_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
+    return _steered_grads(grad, values, mu, scale, lam, (gh, gw), band)
+
+
+def _steered_grads(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, grid: tuple[int, int],
+                   band: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ssog_mix_grad_*``; ``band`` the geometry's (``_token_bands``) or ``None`` (every entry)."""
     grad, values, mu, scale, lam = _rows(grad), _rows(values), mu.contiguous(), scale.contiguous(), lam.contiguous()
-    (b, t, d), (h, r) = values.shape, mu.shape[2:4]
+    (b, t, d), (h, r), (gh, gw) = values.shape, mu.shape[2:4], grid
     threads = _threads(b * h)
     work = _work("ssog_mix_grad", threads, gh, gw, r, d // h, dtype=values.dtype)
     g_values = values.new_zeros(values.shape)
     g_mu, g_scale, g_lam = (t.new_empty(t.shape) for t in (mu, scale, lam))
     getattr(_library(), f"ssog_mix_grad_{_SUFFIX[values.dtype]}")(
-        *(x.data_ptr() for x in (values, grad, g_values, mu, scale, lam, g_mu, g_scale, g_lam, work)), threads, b,
+        *(x.data_ptr() if x is not None else None for x in (values, grad, g_values, mu, scale, lam, band, g_mu,
+                                                             g_scale, g_lam, work)), threads, b,
         values.stride(0), values.stride(1), grad.stride(0), grad.stride(1), g_values.stride(0), g_values.stride(1),
         t - gh * gw, gh, gw, h, r, d // h)
     add_prefix_grad(g_values, grad, t - gh * gw)
@@ -357,8 +393,7 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
     ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    bands = core.field_bands(mu, scale, (gh, gw), values.dtype) if may_band(scale, (gh, gw), values.dtype) else None
-    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, bands)
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, _field_bands(mu, scale, (gh, gw), values.dtype))
     return out
 
 
@@ -366,9 +401,11 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
 def _field_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, gw: int
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``cpu_field_mix`` for ``values``, ``mu``, ``scale`` and ``lam`` given ``grad``: the tables
-    rebuilt, the fixed mixing's backward, then the tables'."""
+    rebuilt, the fixed mixing's backward (reading the bands the forward reads, where the field is finite; docs/
+    operator.md, "Bands"), then the tables'."""
     ky, kx = _field_tables(mu, scale, gh, gw)
-    g_values, g_ky, g_kx, g_lam = _fixed_grads(grad, values, ky, kx, lam)
+    bands = _field_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
+    g_values, g_ky, g_kx, g_lam = _fixed_grads(grad, values, ky, kx, lam, bands)
     g_mu, g_scale = zip(*(_axis_grads(g, k, mu[..., i], scale[..., i]) for i, (g, k) in
                           enumerate(((g_ky, ky), (g_kx, kx)))))
     return g_values, torch.stack(g_mu, -1), torch.stack(g_scale, -1), g_lam
