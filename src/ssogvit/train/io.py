@@ -33,8 +33,8 @@ from ssogvit.documents import MAX_PARAMETERS, input_file, read_document
 from ssogvit.errors import InputError
 from ssogvit.resources import check_device
 from ssogvit.models import check_model_config, create_model, list_models, timm_name
-from ssogvit.models.sealed import (DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest, file_config,
-                                   seal, verify)
+from ssogvit.models.sealed import (COPY_KEY, DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest,
+                                   file_config, seal, verify)
 from ssogvit.outputs import atomic_write
 
 from .errors import CheckpointError, NonFiniteError
@@ -338,9 +338,10 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"refusing to export {path}: {len(bad)} tensors hold non-finite values ({bad[0]}, ...)")
-    meta = {"model_config": config, **dict(extra or {})}
-    header = seal(state, config)  # the header's config is the one that holds; model.json is a readable copy
+    text = json.dumps({"model_config": config, **dict(extra or {})}, indent=2, default=str)
+    # the header's config is the one that holds; model.json is a readable copy, sealed whole (its data and metrics
+    # too: eval reads the data settings from it), so a loader refuses any entry of it that differs
+    header = seal(state, config, {COPY_KEY: json.dumps(json.loads(text), sort_keys=True)})
     atomic_write(path, lambda tmp: save_file(state, tmp, metadata=header), overwrite=overwrite)
-    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2, default=str)),
-                 overwrite=overwrite)
+    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(text), overwrite=overwrite)
     return path
