@@ -41,7 +41,7 @@ from .errors import CheckpointError, NonFiniteError
 
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
-    "read_model_config", "check_checkpoint",
+    "read_model_config", "read_sealed", "check_checkpoint",
     "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS", "checkpoint_files",
 ]
@@ -173,9 +173,10 @@ def _safetensors_header(path: Path) -> dict[str, str]:
                               "truncated or corrupt") from None
 
 
-def _read_export_config(path: Path, header: Mapping[str, str] | None = None) -> dict[str, Any]:
+def _read_export_config(path: Path, header: Mapping[str, str] | None = None, *, ours: bool = True) -> dict[str, Any]:
     """The model config of a `.safetensors` file: the one sealed in its header, checked against the readable copy
-    beside it (`ssogvit.models.sealed.file_config`; the copy alone only for a file whose header holds none)."""
+    beside it (`ssogvit.models.sealed.file_config`; the copy alone only for a file whose header holds none), and,
+    with `ours`, checked as a model of ours (`check_model_config`)."""
     meta, side = _export_meta(path)
     header = _safetensors_header(path) if header is None else header
     try:
@@ -183,7 +184,7 @@ def _read_export_config(path: Path, header: Mapping[str, str] | None = None) -> 
                              {timm_name(n): n for n in list_models()})
     except WeightsFileError as err:
         raise CheckpointError(str(err)) from None
-    return _file_model_config(config, path)
+    return _file_model_config(config, path) if ours else config
 
 
 def build_model(model_config: Mapping[str, Any]) -> nn.Module:
@@ -238,8 +239,17 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
         where = (f"its EMA weights are in {ema}" if ema.is_file()
                  else "no EMA export is beside it (trained without EMA?)")
         raise CheckpointError(f"use_ema=True: {path} holds the raw weights of a run, not its EMA weights; {where}")
+    return read_sealed(path, map_location)
+
+
+def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, ours: bool = True
+                ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The tensors and the config of a sealed `.safetensors` export, its digest and the readable copy beside it
+    checked (`ssogvit.models.sealed`): the config is the header's, never the copy's. `ours=False` for a config that
+    is not a model of ours (a converted timm ViT's recipe, `ssogvit.convert.load_converted`)."""
+    path = _checkpoint_file(path, "export")
     header = _safetensors_header(path)
-    config = _read_export_config(path, header)
+    config = _read_export_config(path, header, ours=ours)
     from safetensors.torch import load_file
 
     try:
