@@ -266,11 +266,11 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
 
     from .config import PATH_KEYS, compose
     from .errors import ConfigError
+    from .io import sealed_data_config
 
     path = Path(ckpt)
-    data = None
-    run_files = (path.parent.parent / "config.yaml", path.parent / "config.yaml")
-    for saved in ((path.with_suffix(".json"), *run_files) if path.suffix == ".safetensors" else run_files):
+    data = sealed_data_config(path)
+    for saved in (path.parent.parent / "config.yaml", path.parent / "config.yaml") if data is None else ():
         if saved.is_file():  # a document from disk: bounded, never interpolated (ssogvit.documents.read_document)
             document = read_document(saved, "the run's config")
             data = document.get("data") if isinstance(document, dict) else None

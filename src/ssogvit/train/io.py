@@ -41,7 +41,7 @@ from .errors import CheckpointError, NonFiniteError
 
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
-    "read_model_config", "read_sealed", "check_checkpoint",
+    "read_model_config", "read_sealed", "sealed_data_config", "check_checkpoint",
     "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS", "checkpoint_files",
 ]
@@ -261,6 +261,21 @@ def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, o
     except WeightsFileError as err:
         raise CheckpointError(f"{err}{_others(path)}") from None
     return state, config
+
+
+def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
+    """The data settings an export's run was trained with: the `data` of its `model.json`, sealed with its weights
+    (`export_safetensors`) and checked against the seal here (`read_sealed`); None for a checkpoint, or an export
+    without them (the run's `config.yaml` is then the only record)."""
+    p = weights_path(path)
+    if p.suffix != ".safetensors" or not p.with_suffix(".json").is_file():
+        return None
+    read_sealed(p, ours=False)  # the digest, and every entry of the copy against the seal
+    meta, _ = _export_meta(p)
+    data = meta.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise CheckpointError(f"{p.with_suffix('.json')}: its data config is not a mapping")
+    return data
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
