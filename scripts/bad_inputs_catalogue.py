@@ -201,6 +201,8 @@ def _loader_cases() -> list[Case]:
         ("huge_saved", "huge", "embed_dim"), ("env_saved", "malicious", "interpolation"),
         ("fat_saved", "huge", "model.safetensors"),
     ]]
+    cases.append(_api("timm file overlay", "ignored", "depth", "timm.create_model('ssogvit_vit_tiny_ssog', "
+                      "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), depth=5)"))
     dm = "create_datamodule('synthetic', {})"
     cases += [_api("datamodules", kind, needle, dm.format(arg)) for arg, kind, needle in [
         ("img_size=224.5", "type", "img_size"), ("img_size=0", "range", "img_size"),
@@ -267,6 +269,7 @@ def _train_cases() -> list[Case]:
         _cli("train", "file-for-folder", "folder", "train", *run, "output_dir={tmp}/out", "resume={run}"),
         _cli("train", "bit-flipped", "last.ckpt", "train", *run, "output_dir={unfinished}"),
         _cli("train", "truncated", "torn.ckpt", "train", *run, "output_dir={tmp}/out", "resume={torn}"),
+        _cli("train", "ignored", "optim.lr", "train", *run, "output_dir={tmp}/out", "resume={last}", "optim.lr=0.0123"),
         _cli("train", "malicious", "lock", "train", *run, "output_dir={lock_run}"),
         _cli("train", "unknown", "--bogus", "train", "--bogus"),
         _cli("train", "missing", "cifar", "train", "data=cifar100", "data.root={tmp}/nowhere", "output_dir={tmp}/out"),
@@ -287,7 +290,7 @@ def _eval_cases() -> list[Case]:
         (("--patch-size", "0"), "range", "--patch-size"), (("--patch-size", "5"), "range", "patch"),
         (("--rescale-field",), "missing", "--rescale-field"), (("data.img_size=100000",), "huge", "img_size"),
         (("data.batch_size=0",), "range", "batch_size"), (("data.bogus=1",), "unknown", "bogus"),
-        (("foo=1",), "unknown", "foo=1"), (("--ema",), "unknown", "ema"),
+        (("foo=1",), "unknown", "foo=1"), (("--ema",), "unknown", "ema"), (("data.seed=1",), "ignored", "data.seed"),
     ]]
     cases += [
         _cli("eval", "unknown", "cuda", "eval", "--ckpt", "{ckpt}", "--device", "cuda"),

@@ -247,6 +247,39 @@ def test_eval_mistakes_end_in_one_or_two_lines(tiny_run, args, starts):
     assert_user_error(ssogvit("eval", "--ckpt", str(tiny_run / "checkpoints" / "best.ckpt"), *args), starts)
 
 
+@pytest.fixture
+def lone_export(tmp_path) -> Path:
+    """An export carried away from its run folder: `model.safetensors` and its `model.json` (data: synthetic)."""
+    from ssogvit.models import create_model
+    from ssogvit.train.io import export_safetensors
+
+    model = create_model("vit-tiny-ssog", img_size=16, patch_size=4, embed_dim=32, num_heads=2, depth=1,
+                         num_classes=10)
+    data = {"name": "synthetic", "root": None, "num_classes": 10, "in_chans": 3, "img_size": 16, "batch_size": 16,
+            "eval_batch_size": 32, "num_workers": 0, "train_size": 64, "val_size": 32, "seed": 0, "learnable": True}
+    return export_safetensors(model, tmp_path / "lone" / "model.safetensors", extra={"data": data})
+
+
+def test_eval_takes_an_exports_data_settings_from_its_seal_and_refuses_an_edited_copy(lone_export):
+    """The audit's B56: the data part of an export's model.json is sealed with the weights; an edit of it is named,
+    not obeyed."""
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+    side = lone_export.with_suffix(".json")
+    side.write_text(side.read_text().replace('"img_size": 16,', '"img_size": 32,'))
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert_user_error(res, f"ssogvit eval: {side} does not match the config sealed in {lone_export} "
+                           "(data.img_size: 32 in model.json, 16 in the weights)")
+
+
+def test_eval_refuses_data_options_that_split_the_images_otherwise_than_the_run(lone_export):
+    """The audit's B57: a validation split drawn otherwise than the run's may hold images it trained on (synthetic:
+    the validation images of seed 1 are the training images of seed 0); the options that decide a split are declared
+    by each datamodule (`split_options`)."""
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "data.seed=1")
+    assert_user_error(res, "ssogvit eval: data.seed=1: the checkpoint's run was trained with data.seed=0")
+
+
 @pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}

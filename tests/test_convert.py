@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 
@@ -27,7 +28,7 @@ from ssogvit.convert import (
 )
 from ssogvit.convert.fit import _kl_rows
 from ssogvit.timm_compat import TimmSSoGAttention
-from ssogvit.train.io import export_safetensors, load_model
+from ssogvit.train.io import CheckpointError, export_safetensors, load_model
 
 
 def tiny_teacher(**kw) -> nn.Module:
@@ -127,6 +128,12 @@ def test_timm_teacher_gives_a_timm_student_that_reloads(tmp_path):
     path = export_safetensors(student, tmp_path / "model.safetensors")
     again = load_converted(path)
     torch.testing.assert_close(again(x), student(x), atol=0, rtol=0)
+    side = path.with_suffix(".json")  # the recipe comes from the seal; an edit of the copy beside it is refused
+    meta = json.loads(side.read_text())
+    meta["model_config"]["mixer_options"]["sigma_min"] = 0.9
+    side.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"model.json does not match .*model_config\.mixer_options\.sigma_min"):
+        load_converted(path)
 
 
 def test_bad_teachers_and_options_are_refused():

@@ -16,7 +16,7 @@ from ssogvit import documents, inputs, resources
 from ssogvit.documents import DocumentError, input_file, input_folder, parse_document, read_document
 from ssogvit.errors import InputError, InputTypeError
 from ssogvit.resources import MemoryLimitError, check_device, check_memory
-from ssogvit.models import check_model_config
+from ssogvit.models import check_model_config, create_model
 from ssogvit.specs import IMG_SIZE, Choice, Flag, Float, Int, IntOrPair, Ints, Text, checked
 
 
@@ -220,8 +220,9 @@ def test_a_model_config_from_a_file_is_checked_on_the_meta_device(config, needle
     with pytest.raises(DocumentError) as info:
         check_model_config(config, source="x/config.json")
     assert str(info.value).startswith("x/config.json: ") and needle in str(info.value)
-    assert check_model_config({"name": "vit-tiny-ssog", "img_size": 32}, source="ok") == {
-        "name": "vit-tiny-ssog", "img_size": 32}
+    checked = check_model_config({"name": "vit-tiny-ssog", "img_size": 32}, source="ok")  # in the model's one form
+    assert checked == create_model("vit-tiny-ssog", img_size=32, depth=1).config | {"depth": 12}
+    assert checked["img_size"] == (32, 32)
 
 
 def test_ssogvit_inputs_names_the_same_objects_as_the_modules_that_define_them():

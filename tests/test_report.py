@@ -67,6 +67,23 @@ def test_report_writes_the_table_beside_the_papers_numbers_and_the_curves(runs):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_every_accuracy_column_of_the_report_names_its_split(runs):
+    """The audit's B64b: runs.md's "final" column, the final epoch's validation top-1 of the raw weights, stood
+    unlabelled (beside test figures elsewhere in the report): every figure's column says which split it is of."""
+    root, paper, plain = runs
+    out = root / "labels"
+    assert ssogvit("report", paper, plain, "--out", out).returncode == 0
+    tables = sorted(out.glob("*.md"))
+    assert {"runs.md", "table1.md"} <= {t.name for t in tables}
+    for table in tables:
+        lines = table.read_text().splitlines()
+        headers = [lines[i] for i in range(len(lines) - 1) if lines[i + 1].startswith("|---")]
+        cells = [c.strip() for h in headers for c in h.strip("|").split("|")]
+        scores = [c for c in cells if any(w in c for w in ("Acc@1", "top-1", "mIoU", "accuracy"))]
+        assert scores and all(any(w in c for w in ("Paper", "val", "test")) for c in scores), (table.name, scores)
+    assert "validation top-1 (%) of the raw weights (not EMA)" in (out / "runs.md").read_text().splitlines()[0]
+
+
 def test_report_never_overwrites_unless_forced(runs, capsys):
     root, paper, _ = runs
     out = root / "again"

@@ -59,7 +59,8 @@ def test_an_export_loads_the_model_it_sealed_and_refuses_an_edited_copy_beside_i
         meta = json.loads(original)
         meta["model_config"][key] = value
         side.write_text(json.dumps(meta))
-        with pytest.raises(CheckpointError, match=rf"model.json does not match the config sealed in .*\({key}: "):
+        with pytest.raises(CheckpointError,
+                           match=rf"model.json does not match the config sealed in .*\(model_config\.{key}: "):
             load_model(path)
         side.write_text(original)
     path.with_suffix(".json").unlink()  # the header alone is enough
@@ -121,7 +122,8 @@ def test_the_command_line_refuses_an_edited_copy_in_one_line(exported, tmp_path)
 def test_timm_overlay_checks_the_copy_and_a_saved_folder_its_top_level_classes(exported, tmp_path):
     model, path = exported
     _edit_copy(path, depth=2)
-    with pytest.raises(WeightsFileError, match=r"model.json does not match the config sealed in .*\(depth: 2"):
+    with pytest.raises(WeightsFileError,
+                       match=r"model.json does not match the config sealed in .*\(model_config\.depth: 2"):
         timm.create_model("ssogvit_looped_tiny_ssog", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     folder = create_model("vit-tiny-ssog", **TINY).save_pretrained(tmp_path / "saved")
     config = json.loads((folder / "config.json").read_text())
@@ -151,3 +153,33 @@ def test_export_safetensors_replaces_a_file_only_when_asked(exported):
     with pytest.raises(OutputExistsError):
         export_safetensors(model, path)
     export_safetensors(model, path, overwrite=True)
+
+
+@pytest.mark.parametrize("made_by", ["create_model", "timm", "from_pretrained", "ssogify"])
+def test_save_pretrained_of_a_model_made_any_way_loads_back_the_same_model(made_by, tmp_path):
+    """The audit's B37/B38/B40/B12: a model's config has one form (`img_size` as (H, W)) however it was made, so the
+    sealed header and timm's config.json agree and the saved folder loads back, by timm's local-dir and by
+    ssogvit's loaders, to the same outputs."""
+    import ssogvit
+
+    kw = dict(TINY, embed_dim=32, num_heads=2)
+    torch.manual_seed(0)
+    if made_by == "create_model":
+        model = create_model("vit-tiny-ssog", **kw)
+    elif made_by == "timm":
+        model = timm.create_model("ssogvit_vit_tiny_ssog", **kw)
+    elif made_by == "from_pretrained":
+        create_model("vit-tiny-ssog", **kw).save_pretrained(tmp_path / "first")
+        model = from_pretrained(tmp_path / "first")
+    else:
+        model = ssogvit.ssogify(timm.create_model("vit_tiny_patch16_224", **kw))
+    model.eval().save_pretrained(tmp_path / "saved")
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a sealed folder loads without a word
+        loaded = [timm.create_model(f"local-dir:{tmp_path / 'saved'}", pretrained=True)]
+        if made_by != "ssogify":  # ssogvit's loaders build ssogvit's models
+            loaded += [from_pretrained(tmp_path / "saved"), load_model(tmp_path / "saved")]
+    with torch.no_grad():
+        for twin in loaded:
+            assert torch.equal(twin.eval()(x), model(x))

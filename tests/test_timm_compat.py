@@ -131,3 +131,33 @@ def test_an_ssogified_model_round_trips_through_save_pretrained_and_timm_local_d
     twin.save_pretrained(tmp_path / "again")  # and round again from the reloaded model
     again = timm.create_model(f"local-dir:{tmp_path / 'again'}", pretrained=True)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_an_ssogified_save_pretrained_is_sealed_so_an_edited_config_or_tensor_is_refused_on_load(tmp_path):
+    """The audit's A47: ssogify's save_pretrained writes through the one sealing writer of every save_pretrained
+    (docs/models.md, "Saved and exported weights"); timm's local-dir load checks the digest and config.json."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ssogvit.models.sealed import DIGEST_KEY, WeightsFileError
+
+    model = ssogvit.ssogify(tiny_vit(depth=1), num_atoms=3)
+    model.save_pretrained(tmp_path / "saved")
+    weights, side = tmp_path / "saved" / "model.safetensors", tmp_path / "saved" / "config.json"
+    with safe_open(str(weights), framework="pt") as f:
+        header = dict(f.metadata())
+    assert DIGEST_KEY in header
+    original = side.read_text()
+    edited = json.loads(original)
+    edited["model_args"]["ssogify_options"]["num_atoms"] = 2
+    side.write_text(json.dumps(edited))
+    with pytest.raises(WeightsFileError, match=r"config.json does not match .*ssogify_options\.num_atoms: 2"):
+        timm.create_model(f"local-dir:{tmp_path / 'saved'}", pretrained=True)
+    side.write_text(original)
+    state = load_file(str(weights))
+    state["blocks.0.attn.proj.bias"] = state["blocks.0.attn.proj.bias"] + 1
+    save_file(state, str(weights), metadata=header)
+    with pytest.raises(WeightsFileError, match="fails its integrity check"):
+        timm.create_model(f"local-dir:{tmp_path / 'saved'}", pretrained=True)

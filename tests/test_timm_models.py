@@ -147,6 +147,22 @@ def test_an_export_loads_into_the_pyramid_its_features_and_smp_through_timms_fil
         timm.create_model("ssogvit_vit_tiny_mha_pyramid", **overlay)
 
 
+@pytest.mark.parametrize("name", ["ssogvit_vit_tiny_ssog", "ssogvit_vit_tiny_ssog_pyramid"])
+def test_a_keyword_that_contradicts_the_weights_file_is_refused_before_building(name, tmp_path):
+    """The audit's A35/A39/B07: a keyword that the file's config fixes otherwise is named in one line with both
+    values (not torch's wall of missing keys); what the carried weights leave free (`FILE_MAY_DIFFER`) may differ."""
+    from ssogvit.errors import InputError
+
+    file = export_safetensors(create_model("vit-tiny-ssog", num_classes=10, **CHEAP), tmp_path / "model.safetensors")
+    overlay = dict(pretrained=True, pretrained_cfg_overlay=dict(file=str(file)))
+    for key, value, saved in (("depth", 2, 3), ("embed_dim", 48, 24), ("patch_size", 4, 8)):
+        with pytest.raises(InputError, match=rf"^{key}={value} contradicts .*model.safetensors, whose weights were "
+                                             rf"built with {key}={saved}: leave {key} out"):
+            timm.create_model(name, **overlay, **{key: value})
+    model = timm.create_model(name, **overlay, depth=3, num_classes=4, img_size=48)  # the same depth, a new head
+    assert getattr(model, "backbone", model).config["depth"] == 3
+
+
 def test_a_segmentation_export_carries_its_pyramid_and_load_weights_fills_a_built_network(tmp_path):
     smp = pytest.importorskip("segmentation_models_pytorch")
     wide = dict(img_size=32, patch_size=8, embed_dim=24)  # smp's `depth` is its own: the backbone keeps its 12 blocks

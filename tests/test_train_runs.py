@@ -208,6 +208,19 @@ def test_resume_message_for_mid_epoch_checkpoint(tmp_path, capsys, finished):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_resume_that_changes_the_runs_settings_is_refused_naming_them(tmp_path, capsys, finished):
+    """The audit's B74: `resume=<its last.ckpt>` elsewhere with another learning rate recorded the new rate, while
+    the optimizer state restored from the checkpoint kept training at the old one. A resume may change only what
+    `resume_may_change` declares (how long it trains, where things are and how they are shown)."""
+    last = finished / "checkpoints" / "last.ckpt"
+    code = cli_main(["train", *tiny(tmp_path / "new", "optim.lr=0.0123", f"resume={last}", epochs=3)])
+    assert_clear_error(code, capsys.readouterr().err, f"resume={last} continues its run with that run's settings",
+                       "optim.lr: run 0.001, now 0.0123", "start a new try with resume=new")
+    assert not (tmp_path / "new").exists()
+    code = cli_main(["train", *tiny(tmp_path / "longer", "data.num_workers=0", f"resume={last}", epochs=3)])
+    assert code == 0 and "resuming from" in capsys.readouterr().out  # only trainer.max_epochs and where: resumed
+
+
 def test_csv_rows_of_a_lost_attempt_are_dropped_on_resume(tmp_path):
     log = tmp_path / "logs" / "version_0" / "metrics.csv"
     log.parent.mkdir(parents=True)

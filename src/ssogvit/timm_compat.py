@@ -301,8 +301,6 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: 
             ``False``.
         ValueError: ``model`` was not made by ``ssogify``.
     """
-    from timm.models import save_for_hf
-
     from ssogvit.models import VisionTransformerBase, timm_name
 
     options = getattr(model, "ssogify_options", None)
@@ -316,9 +314,8 @@ def save_pretrained(model: nn.Module, save_directory: str | Path, *, overwrite: 
         recorded = getattr(model, "_model_args", {})
         base, base_args = recorded.get("ssogify_base", model.pretrained_cfg["architecture"]), {}
     args = {**base_args, "ssogify_base": base, "ssogify_options": options}
-    return write_saved_folder(save_directory, lambda stage: save_for_hf(
-        model, str(stage), model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, model_args=args,
-        safe_serialization=True), overwrite=overwrite)
+    return write_saved_folder(save_directory, model, model_args=args,
+                              model_config={"pretrained_cfg": {"architecture": SSOGIFIED}}, overwrite=overwrite)
 
 
 def _ssogified_entrypoint(
@@ -328,6 +325,16 @@ def _ssogified_entrypoint(
     with ``ssogify_options`` (the mixer and its options); with ``pretrained``, the saved weights loaded."""
     options = dict(ssogify_options)
     mixer = options.pop("mixer")
+    if pretrained:  # the weights file sealed by save_pretrained: its digest and config.json checked before a build
+        from timm.models import resolve_pretrained_cfg
+
+        from ssogvit.models.registry import sealed_config
+
+        cfg = resolve_pretrained_cfg(SSOGIFIED, pretrained_cfg=kwargs.pop("pretrained_cfg", None),
+                                     pretrained_cfg_overlay=kwargs.pop("pretrained_cfg_overlay", None))
+        if cfg.file:
+            sealed_config(cfg.file, {SSOGIFIED: SSOGIFIED})
+        kwargs["pretrained_cfg"] = cfg
 
     def build(**base_args: Any) -> nn.Module:
         return ssogify(timm.create_model(ssogify_base, **base_args), mixer=mixer, copy_weights=False, **options)

@@ -12,12 +12,17 @@ _CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def data_config(dataset: str = "digits", ckpt: str | Path | None = None) -> dict[str, Any]:
-    """The `data:` node a model was trained with: from the run's `config.yaml` beside (or above) `ckpt` when there is
-    one, else the packaged `conf/data/<dataset>.yaml`."""
+    """The `data:` node a model was trained with: an export's own (sealed with its weights,
+    `ssogvit.train.io.sealed_data_config`), else the run's `config.yaml` beside (or above) `ckpt` when there is one,
+    else the packaged `conf/data/<dataset>.yaml`."""
     from omegaconf import OmegaConf
 
     from ssogvit.documents import read_document
+    from ssogvit.train.io import sealed_data_config
 
+    sealed = None if ckpt is None else sealed_data_config(ckpt)
+    if sealed is not None:
+        return dict(sealed)
     if ckpt is not None:
         for parent in list(Path(ckpt).resolve().parents)[:3]:
             cfg_path = parent / "config.yaml"

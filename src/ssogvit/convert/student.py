@@ -9,7 +9,6 @@ trained model); a timm ViT gives the ssogified timm model, rebuilt by ``load_con
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -174,19 +173,16 @@ def load_converted(path: str | Path) -> nn.Module:
     A student of ours loads like any trained model (``ssogvit.train.io.load_model``); a converted timm ViT is rebuilt
     with ``timm.create_model`` and ``ssogify`` from the recipe in the ``.json``.
     """
-    path = Path(path)
-    side = path.with_suffix(".json")
-    meta = json.loads(side.read_text()).get("model_config", {}) if side.is_file() else {}
-    if _TIMM_KEY not in meta:
-        from ssogvit.train.io import load_model
+    from ssogvit.train.io import load_model, read_sealed
 
+    state, meta = read_sealed(path, ours=False)  # the recipe sealed with the weights, the .json beside it checked
+    if _TIMM_KEY not in meta:
         return load_model(path)
     import timm
-    from safetensors.torch import load_file
 
     model = timm.create_model(meta[_TIMM_KEY], pretrained=False, **meta["timm_kwargs"])
     ssogify(model, mixer=meta["mixer"], **meta["mixer_options"])
-    model.load_state_dict(load_file(str(path)), strict=True)
+    model.load_state_dict(state, strict=True)
     model.config_timm = meta
     return model.eval()
 

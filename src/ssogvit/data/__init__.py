@@ -24,7 +24,7 @@ __all__ = [
     "AUG_DEFAULTS", "ClassificationDataModule", "DataError", "DataConfigError",
     "build_transform", "create_datamodule", "list_datasets",
     "DigitsDataModule", "Cifar100DataModule", "ImageFolderDataModule", "SyntheticDataModule", "SyntheticDataset",
-    "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES",
+    "find_cifar100", "read_cifar100_split", "load_digits_split", "DATAMODULES", "split_settings",
     "IGNORE_INDEX", "SegmentationDataModule", "DigitScenesDataModule", "SegFolderDataModule", "build_joint_transform",
     "render_scene",
 ]
@@ -74,6 +74,21 @@ def create_datamodule(name: str, **options: Any) -> ClassificationDataModule:
     dm = cls(**options)
     dm.check_memory()  # before any model is built for these images
     return dm
+
+
+def split_settings(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the options that decide `name`'s split (its datamodule's `split_options`) in a data config
+    `options`, an option left out at its default: two configs whose split settings differ split the images
+    differently (one's validation images may be the other's training images)."""
+    cls = DATAMODULES.get(name)
+    if cls is None:
+        return {}
+    defaults: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass):
+            params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+            defaults.update({p.name: p.default for p in params if p.default is not p.empty})
+    return {k: options[k] if options.get(k) is not None else defaults.get(k) for k in cls.split_options}
 
 
 def _options_of(cls: type) -> set[str]:

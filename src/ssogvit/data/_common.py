@@ -111,6 +111,9 @@ class ClassificationDataModule(pl.LightningDataModule):
     in_chans: int = 3
     num_classes: int = 0
     classes: list[str] = []
+    #: the options that decide which images are in which split: a model evaluated with other values than it was
+    #: trained with may be scored on its own training images (`ssogvit eval` refuses it, `split_settings`)
+    split_options: tuple[str, ...] = ()
 
     def build_datasets(self) -> tuple[Dataset, ...]:
         """`(train, val)`, or `(train, val, test)` for a dataset with a held-out test split."""

@@ -89,6 +89,7 @@ class DigitScenesDataModule(SegmentationDataModule):
     """
 
     name = "digit_scenes"
+    split_options = ("val_fraction", "split_seed")
     in_chans = 1
     num_classes = 11
     classes = ["background"] + [str(d) for d in range(10)]

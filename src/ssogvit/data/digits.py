@@ -67,6 +67,7 @@ class DigitsDataModule(ClassificationDataModule):
     in_chans = 1
     num_classes = 10
     classes = [str(d) for d in range(10)]
+    split_options = ("val_fraction", "test_fraction", "split_seed")
 
     @checked
     def __init__(self, *, val_fraction: Annotated[float, Float(0, 1, low_open=True, high_open=True)] = 0.15,

@@ -24,6 +24,7 @@ class ImageFolderDataModule(ClassificationDataModule):
     """`torchvision.datasets.ImageFolder` over `train/` and `val/` (class index = sorted folder name)."""
 
     name = "imagefolder"
+    split_options = ("train_dir", "val_dir")
 
     @checked
     def __init__(self, *, root: str | Path | None = None, in_chans: Annotated[int, IN_CHANS] = 3,

@@ -44,6 +44,7 @@ class SyntheticDataModule(ClassificationDataModule):
     """Synthetic train / val sets of `train_size` / `val_size` images (no transform, no files)."""
 
     name = "synthetic"
+    split_options = ("seed",)  # the validation images are those of seed + 1
 
     @checked
     def __init__(self, *, num_classes: Annotated[int, Int(1, 1_000_000)] = 10, in_chans: Annotated[int, IN_CHANS] = 3,

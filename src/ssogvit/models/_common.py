@@ -209,12 +209,26 @@ def _image_size(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 SAVED_FILES = ("config.json", "model.safetensors")
 
 
-def write_saved_folder(folder: str | Path, write: Callable[[Path], None], *, overwrite: bool = True) -> Path:
-    """``replace_folder`` for a ``save_pretrained`` folder (``SAVED_FILES``); with ``overwrite=False`` a folder that
-    holds a saved model already is refused (``FileExistsError``)."""
+def write_saved_folder(folder: str | Path, model: nn.Module, *, model_args: dict[str, Any],
+                       config: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
+                       overwrite: bool = True) -> Path:
+    """The one writer of every ``save_pretrained`` folder (ssogvit's models, ``ssogify``'d timm models): timm's
+    ``save_for_hf`` (``config.json``, ``model.safetensors``), then the weights file sealed (``seal_file``) with
+    ``config`` (default: what ``config.json`` states, its ``architecture`` as ``name`` and its ``model_args``) and the
+    whole ``config.json`` as its sealed copy, so every loader checks both (docs/models.md, "Saved and exported
+    weights").
+    Written through ``replace_folder`` (``SAVED_FILES``); with ``overwrite=False`` a folder that holds a saved model
+    already is refused (``FileExistsError``)."""
     existing = [f for f in SAVED_FILES if (Path(folder) / f).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{folder} already holds {existing}; save with overwrite=True to replace them")
+
+    def write(stage: Path) -> None:
+        save_for_hf(model, str(stage), model_config=model_config, model_args=model_args, safe_serialization=True)
+        document = json.loads((stage / "config.json").read_text())
+        stated = {"name": document["architecture"], **document.get("model_args", {})}
+        seal_file(stage / "model.safetensors", stated if config is None else config, copy=document)
+
     return replace_folder(folder, write, owned=SAVED_FILES)
 
 
@@ -300,6 +314,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         options = self._check_options({**self.family_options, **options}, drop_path_rate=drop_path_rate)
         mixer_options = dict(mixer_options or {})
         global_pool = default_pool(mixer) if global_pool is None else global_pool
+        img_size = _image_size(img_size)  # the config's one form, (H, W): what timm's writer records of any model
         config = dict(
             embed_dim=embed_dim, num_heads=num_heads, depth=depth, img_size=img_size, patch_size=patch_size,
             in_chans=in_chans, num_classes=num_classes, num_registers=num_registers, global_pool=global_pool,
@@ -310,7 +325,6 @@ class VisionTransformerBase(TimmVisionTransformer):
         if embed_dim % num_heads != 0:
             raise InputError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})",
                              argument="num_heads")
-        img_size = _image_size(img_size)
         if img_size[0] < patch_size or img_size[1] < patch_size:
             raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
         self._check_parameter_memory(embed_dim, depth, img_size, patch_size, in_chans, num_classes, mlp_ratio)
@@ -476,12 +490,8 @@ class VisionTransformerBase(TimmVisionTransformer):
                 model's two files (it is not replaced), or a saved model while ``overwrite`` is ``False``.
         """
         model_args = {k: v for k, v in self.config.items() if k != "name"}
-
-        def write(stage: Path) -> None:
-            save_for_hf(self, str(stage), model_args=model_args, safe_serialization=True)
-            seal_file(stage / "model.safetensors", self.config, copy=json.loads((stage / "config.json").read_text()))
-
-        return write_saved_folder(save_directory, write, overwrite=overwrite)
+        return write_saved_folder(save_directory, self, model_args=model_args, config=self.config,
+                                  overwrite=overwrite)
 
     # -- forward ---------------------------------------------------------------------------------------------------
 

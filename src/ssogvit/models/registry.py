@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -42,7 +43,7 @@ from .vit import VisionTransformer
 
 __all__ = [
     "FAMILIES", "SIZES", "TASKS", "check_model_config", "create_model", "create_segmentation_model", "from_pretrained",
-    "list_models", "load_weights", "model_options", "parse_model_name", "read_weights", "timm_name",
+    "list_models", "load_weights", "model_options", "parse_model_name", "read_weights", "sealed_config", "timm_name",
 ]
 
 #: what a model predicts: ``None`` (an image classifier) or ``"segmentation"`` (per-pixel classes, docs/dense.md)
@@ -163,8 +164,14 @@ def create_segmentation_model(backbone_name: str, *, num_classes: int, pyramid_d
     backbone = create_model(backbone_name, **{**backbone_options, "num_classes": 0})
     options = dict(num_classes=num_classes, pyramid_dim=pyramid_dim, head_dim=head_dim,
                    feature_blocks=None if feature_blocks is None else list(feature_blocks))
-    config = {"name": backbone_name, "task": "segmentation", **backbone_options, **options}
+    config = {"name": backbone_name, "task": "segmentation", **given_options(backbone, backbone_options), **options}
     return SegmentationModel(backbone, **options, config=config)
+
+
+def given_options(backbone: VisionTransformerBase, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The backbone options a caller gave, in the form the backbone's ``config`` records them (``img_size`` as
+    ``(H, W)``, ``steer`` a tuple): a model that holds a backbone records its config in the one form."""
+    return {k: backbone.config.get(k, v) for k, v in options.items()}
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -175,7 +182,8 @@ def list_models(pattern: str = "*") -> list[str]:
 
 def check_model_config(config: Any, *, source: str | os.PathLike = "the model config") -> dict[str, Any]:
     """`config` (`create_model(**config)`) if it names a model of ours that builds within the declared ranges and
-    `MAX_PARAMETERS`; `DocumentError` otherwise. Run on every model config read from a file, before building.
+    `MAX_PARAMETERS`, in the form the model records it (`model.config`); `DocumentError` otherwise. Run on every
+    model config read from a file, before building.
 
     The values are checked by the model's and the mixer's own declarations, building on the meta device (shapes
     only, no memory); so is the parameter count.
@@ -194,7 +202,8 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
                             argument=str(source))
     try:
         with torch.device("meta"):
-            n = sum(p.numel() for p in create_model(**config).parameters())
+            model = create_model(**config)
+            n = sum(p.numel() for p in model.parameters())
     except InputError as err:
         raise DocumentError(f"{source}: model_config {err}", argument=str(source)) from None
     except (ValueError, TypeError, RuntimeError) as err:
@@ -203,7 +212,7 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
     if n > MAX_PARAMETERS:
         raise DocumentError(f"{source}: model_config asks for {n:,} parameters ({format_bytes(4 * n)} in fp32), "
                             f"more than the limit of {MAX_PARAMETERS:,}", argument=str(source))
-    return config
+    return dict(model.config)  # in its one form (`img_size` as (H, W)), whatever form the file wrote
 
 
 def timm_name(name: str) -> str:
@@ -258,26 +267,36 @@ def _check_saved_folder(folder: Path, name: str) -> None:
         raise DocumentError(f"{folder / 'config.json'}: num_classes {top!r} differs from model_args' "
                             f"{config.get('num_classes')!r}; the two must agree", argument="config.json")
     if weights.is_file():  # the sealed config is the one that holds: config.json must state the same model
-        _sealed_config(weights, (document, folder / "config.json"))
+        sealed_config(weights)
 
 
 def _side_copy(file: str | Path) -> tuple[Any, Path] | None:
-    """The readable copy of an export's config beside it (`model.json`) as `(document, path)`, if there is one."""
-    side = Path(file).with_suffix(".json")
-    return (read_document(side, "export config"), side) if side.is_file() else None
+    """The readable copy of a weights file's config beside it as `(document, path)`, if there is one: an export's
+    `model.json`, or the `config.json` of a `save_pretrained` folder."""
+    file = Path(file)
+    for side in (file.with_suffix(".json"), file.parent / "config.json"):
+        if side.is_file() and (side.name != "config.json" or file.name == "model.safetensors"):
+            return read_document(side, side.name), side
+    return None
 
 
-def _sealed_config(file: str | Path, side: tuple[Any, Path] | None = None) -> dict[str, Any] | None:
-    """The model config sealed in a safetensors file's header (`ssogvit.models.sealed`), its digest and the
-    readable copy `side` checked; None for a file that holds no config of ours (with `side`, the copy's)."""
+def sealed_config(file: str | Path, names: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The config sealed in a weights file (a `.safetensors`, or a `save_pretrained` folder's) with its digest and
+    the readable copy beside it (`_side_copy`) checked (`ssogvit.models.sealed`); None for a file that holds no
+    config and has no copy beside it (timm's or anyone's). `names`: the timm architectures a saved folder's
+    `config.json` may name, mapped to the config's `name` (default: ssogvit's models)."""
     from safetensors.torch import load_file
 
+    file = Path(file)
+    if file.is_dir():
+        file = file / "model.safetensors"
+    side = _side_copy(file)
     with safe_open(str(file), framework="pt") as f:
         header = dict(f.metadata() or {})
     if header_config(header, file) is None and side is None:
         return None
     verify(load_file(str(file)), header, file)
-    return file_config(file, header, side, {timm_name(n): n for n in list_models()})
+    return file_config(file, header, side, {timm_name(n): n for n in list_models()} if names is None else names)
 
 
 def read_weights(file: str | Path) -> tuple[dict[str, Tensor], dict | None]:
@@ -294,7 +313,7 @@ def read_weights(file: str | Path) -> tuple[dict[str, Tensor], dict | None]:
     if not path.is_file():
         raise FileNotFoundError(f"no weights file {path}")
     if path.suffix == ".safetensors":
-        config = _sealed_config(path, _side_copy(path))
+        config = sealed_config(path)
         return load_file(str(path)), config
     return load_state_dict(str(path), weights_only=True), None
 
@@ -322,6 +341,23 @@ def load_weights(module: nn.Module, file: str | Path) -> nn.Module:
 
 #: options of a segmentation export that are its pyramid's (kept by a pyramid model) or its head's (dropped)
 _PYRAMID_OPTIONS, _SEGMENTATION_HEAD = ("pyramid_dim", "feature_blocks"), ("task", "num_classes", "head_dim")
+#: keywords of a build from a weights file (``pretrained_cfg_overlay=dict(file=...)``, ``local-dir:``) that may differ
+#: from the file's config: what the carried weights do not fix (``carry_state_dict``: a new head for another class
+#: count, the position embedding resized to another image size; regularisation, the pool, padding). Any other
+#: keyword that differs is refused before anything is built.
+FILE_MAY_DIFFER = ("num_classes", "img_size", "drop_path_rate", "global_pool", "dynamic_img_pad")
+
+
+def _as_file_builds(kwargs: dict[str, Any], saved: Mapping[str, Any], keys: list[str], file: Any) -> None:
+    """``kwargs`` completed with the file's config ``saved`` (its ``keys``); a keyword that contradicts the file
+    (``FILE_MAY_DIFFER`` aside) is an ``InputError`` naming it, the value given and the file's."""
+    for key in keys:
+        given = kwargs.get(key, saved[key])
+        if key not in FILE_MAY_DIFFER and json.dumps(given, default=str) != json.dumps(saved[key], default=str):
+            raise InputError(f"{key}={given!r} contradicts {file}, whose weights were built with {key}="
+                             f"{saved[key]!r}: leave {key} out (the file's value is used) or load weights built "
+                             f"with {key}={given!r}", argument=key)
+        kwargs.setdefault(key, saved[key])
 
 
 def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
@@ -337,7 +373,7 @@ def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any,
         _check_saved_folder(Path(cfg.file), name)
     saved = None
     if cfg.file and str(cfg.file).endswith(".safetensors"):
-        saved = _sealed_config(cfg.file, _side_copy(cfg.file))
+        saved = sealed_config(cfg.file)
     if saved is not None and saved.get("name") != name:
         raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
     return cfg, saved
@@ -372,10 +408,9 @@ def _timm_entrypoint(name: str):
             cfg, saved = _pretrained_cfg(tname, name, kwargs)
             if saved is not None:  # an ssogvit export: the weights say how the backbone was built
                 segmentation = saved.get("task") == "segmentation"  # its backbone only: a classifier is built here
-                for key, value in saved.items():
-                    if key not in ("name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD) or (key == "num_classes"
-                                                                                       and not segmentation):
-                        kwargs.setdefault(key, value)
+                _as_file_builds(kwargs, saved, [k for k in saved if k not in (
+                    "name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD) or (k == "num_classes" and not segmentation)],
+                    cfg.file)
                 if not segmentation:
                     cfg = replace(cfg, num_classes=saved.get("num_classes", cfg.num_classes))
             kwargs["pretrained_cfg"] = cfg
@@ -415,9 +450,8 @@ def _pyramid_entrypoint(name: str):
             cfg, saved = _pretrained_cfg(tname, name, kwargs)
             if saved is not None:  # the backbone (and a segmentation model's pyramid) as the weights were built
                 pyramid.update({k: saved[k] for k in _PYRAMID_OPTIONS if k in saved})
-                for key, value in saved.items():
-                    if key not in ("name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD):
-                        kwargs.setdefault(key, value)
+                _as_file_builds(kwargs, saved, [k for k in saved if k not in (
+                    "name", *_PYRAMID_OPTIONS, *_SEGMENTATION_HEAD)], cfg.file)
             kwargs["pretrained_cfg"] = cfg
         kwargs.pop("global_pool", None)
         patch = kwargs.get("patch_size", 16)
@@ -428,8 +462,8 @@ def _pyramid_entrypoint(name: str):
 
         def build(num_classes: int = 1000, **backbone_options: Any) -> PyramidViT:
             backbone = create_model(name, **{**backbone_options, "num_classes": 0})
-            config = {"name": name, **backbone_options, **pyramid, "output_stride": output_stride,
-                      "num_classes": num_classes}
+            config = {"name": name, **given_options(backbone, backbone_options), **pyramid,
+                      "output_stride": output_stride, "num_classes": num_classes}
             return PyramidViT(backbone, num_classes=num_classes, global_pool=global_pool, drop_rate=drop_rate,
                               output_stride=output_stride, config=config, **pyramid)
 

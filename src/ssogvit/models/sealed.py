@@ -189,7 +189,10 @@ def _flat(document: Any, prefix: str = "") -> dict[str, Any]:
 def _refuse_differences(sealed: Mapping[str, Any], copy: Mapping[str, Any], side: Path, path: str | Path) -> None:
     """Raise `WeightsFileError` naming the entries (up to three) where the readable copy `side` differs from what is
     sealed in `path`."""
-    keys = sorted(k for k in set(sealed) | set(copy) if sealed.get(k, "(absent)") != copy.get(k, "(absent)"))
+    def text(entries: Mapping[str, Any], key: str) -> str:  # as JSON writes it: a NaN metric equals itself
+        return json.dumps(entries.get(key, "(absent)"), sort_keys=True)
+
+    keys = sorted(k for k in set(sealed) | set(copy) if text(sealed, k) != text(copy, k))
     if keys:
         shown = ", ".join(f"{k}: {copy.get(k, '(absent)')!r} in {side.name}, {sealed.get(k, '(absent)')!r} in the "
                           "weights" for k in keys[:3])

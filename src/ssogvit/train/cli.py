@@ -255,17 +255,22 @@ def _side(size: Any) -> int:
 
 
 def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -> dict[str, Any]:
-    """The data config of a checkpoint: its saved one (run config.yaml or export json) with the overrides."""
+    """The data config of a checkpoint: its saved one with the overrides; an override of an option that decides the
+    split (`ssogvit.data.split_settings`) is refused, so the validation images stay those the model did not train on.
+
+    An export's own (the `data` of its `model.json`, sealed with the weights and checked when they were loaded) is
+    the one that holds; a checkpoint's is its run's `config.yaml`."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
     from .config import PATH_KEYS, compose
     from .errors import ConfigError
+    from .io import sealed_data_config
 
     path = Path(ckpt)
-    data = None
-    for saved in (path.parent.parent / "config.yaml", path.parent / "config.yaml", path.with_suffix(".json")):
+    data = sealed_data_config(path)
+    for saved in (path.parent.parent / "config.yaml", path.parent / "config.yaml") if data is None else ():
         if saved.is_file():  # a document from disk: bounded, never interpolated (ssogvit.documents.read_document)
             document = read_document(saved, "the run's config")
             data = document.get("data") if isinstance(document, dict) else None
@@ -273,6 +278,7 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
                 raise ConfigError(f"{saved}: its data config is not a mapping")
             if data is not None:
                 break
+    recorded = None if data is None else dict(data)
     data_overrides = [o for o in overrides if o.startswith("data")]
     if data is None and not any(o.startswith("data=") for o in overrides):
         raise ConfigError(f"no data config beside {path} (its run's config.yaml or the export's .json): name the "
@@ -291,7 +297,25 @@ def _data_config_for(ckpt: str, overrides: list[str], *, img_size: int | None) -
         data = OmegaConf.to_container(node.data, resolve=True)
     if img_size:
         data["img_size"] = img_size
+    if recorded is not None:
+        _check_same_split(recorded, data)
     return data
+
+
+def _check_same_split(recorded: dict[str, Any], data: dict[str, Any]) -> None:
+    """`ConfigError` if `data` splits the images of the run's data `recorded` otherwise (`split_settings`)."""
+    from ssogvit.data import split_settings
+
+    from .errors import ConfigError
+
+    if recorded.get("name") != data.get("name"):  # another dataset: none of its images was trained on here
+        return
+    run, now = split_settings(str(recorded.get("name")), recorded), split_settings(str(data.get("name")), data)
+    for key in run:
+        if run[key] != now[key]:
+            raise ConfigError(f"data.{key}={now[key]!r}: the checkpoint's run was trained with data.{key}="
+                              f"{run[key]!r}, and another split's validation images may be ones the model trained "
+                              f"on; evaluate with the run's data.{key}")
 
 
 def list_main(argv: list[str]) -> int:

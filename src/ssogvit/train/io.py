@@ -33,15 +33,15 @@ from ssogvit.documents import MAX_PARAMETERS, input_file, read_document
 from ssogvit.errors import InputError
 from ssogvit.resources import check_device
 from ssogvit.models import check_model_config, create_model, list_models, timm_name
-from ssogvit.models.sealed import (DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest, file_config,
-                                   seal, verify)
+from ssogvit.models.sealed import (COPY_KEY, DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest,
+                                   file_config, seal, verify)
 from ssogvit.outputs import atomic_write
 
 from .errors import CheckpointError, NonFiniteError
 
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
-    "read_model_config", "check_checkpoint",
+    "read_model_config", "read_sealed", "sealed_data_config", "check_checkpoint",
     "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS", "checkpoint_files",
 ]
@@ -173,9 +173,10 @@ def _safetensors_header(path: Path) -> dict[str, str]:
                               "truncated or corrupt") from None
 
 
-def _read_export_config(path: Path, header: Mapping[str, str] | None = None) -> dict[str, Any]:
+def _read_export_config(path: Path, header: Mapping[str, str] | None = None, *, ours: bool = True) -> dict[str, Any]:
     """The model config of a `.safetensors` file: the one sealed in its header, checked against the readable copy
-    beside it (`ssogvit.models.sealed.file_config`; the copy alone only for a file whose header holds none)."""
+    beside it (`ssogvit.models.sealed.file_config`; the copy alone only for a file whose header holds none), and,
+    with `ours`, checked as a model of ours (`check_model_config`)."""
     meta, side = _export_meta(path)
     header = _safetensors_header(path) if header is None else header
     try:
@@ -183,7 +184,7 @@ def _read_export_config(path: Path, header: Mapping[str, str] | None = None) -> 
                              {timm_name(n): n for n in list_models()})
     except WeightsFileError as err:
         raise CheckpointError(str(err)) from None
-    return _file_model_config(config, path)
+    return _file_model_config(config, path) if ours else config
 
 
 def build_model(model_config: Mapping[str, Any]) -> nn.Module:
@@ -238,8 +239,17 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
         where = (f"its EMA weights are in {ema}" if ema.is_file()
                  else "no EMA export is beside it (trained without EMA?)")
         raise CheckpointError(f"use_ema=True: {path} holds the raw weights of a run, not its EMA weights; {where}")
+    return read_sealed(path, map_location)
+
+
+def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, ours: bool = True
+                ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The tensors and the config of a sealed `.safetensors` export, its digest and the readable copy beside it
+    checked (`ssogvit.models.sealed`): the config is the header's, never the copy's. `ours=False` for a config that
+    is not a model of ours (a converted timm ViT's recipe, `ssogvit.convert.load_converted`)."""
+    path = _checkpoint_file(path, "export")
     header = _safetensors_header(path)
-    config = _read_export_config(path, header)
+    config = _read_export_config(path, header, ours=ours)
     from safetensors.torch import load_file
 
     try:
@@ -251,6 +261,21 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
     except WeightsFileError as err:
         raise CheckpointError(f"{err}{_others(path)}") from None
     return state, config
+
+
+def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
+    """The data settings an export's run was trained with: the `data` of its `model.json`, sealed with its weights
+    (`export_safetensors`) and checked against the seal here (`read_sealed`); None for a checkpoint, or an export
+    without them (the run's `config.yaml` is then the only record)."""
+    p = weights_path(path)
+    if p.suffix != ".safetensors" or not p.with_suffix(".json").is_file():
+        return None
+    read_sealed(p, ours=False)  # the digest, and every entry of the copy against the seal
+    meta, _ = _export_meta(p)
+    data = meta.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise CheckpointError(f"{p.with_suffix('.json')}: its data config is not a mapping")
+    return data
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
@@ -338,9 +363,10 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(f"refusing to export {path}: {len(bad)} tensors hold non-finite values ({bad[0]}, ...)")
-    meta = {"model_config": config, **dict(extra or {})}
-    header = seal(state, config)  # the header's config is the one that holds; model.json is a readable copy
+    text = json.dumps({"model_config": config, **dict(extra or {})}, indent=2, default=str)
+    # the header's config is the one that holds; model.json is a readable copy, sealed whole (its data and metrics
+    # too: eval reads the data settings from it), so a loader refuses any entry of it that differs
+    header = seal(state, config, {COPY_KEY: json.dumps(json.loads(text), sort_keys=True)})
     atomic_write(path, lambda tmp: save_file(state, tmp, metadata=header), overwrite=overwrite)
-    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2, default=str)),
-                 overwrite=overwrite)
+    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(text), overwrite=overwrite)
     return path

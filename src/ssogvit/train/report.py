@@ -176,7 +176,8 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
         paper_rows: the table's rows (`experiment_rows(table)`); ignored when `table` is `None`.
         runs: the runs to report; a run fills the rows that its `meta.rows` names.
     """
-    head = "| Row | Experiment | Paper Acc@1 | Ours best Acc@1 (epoch) | Ours final Acc@1 | Data | Epochs |"
+    head = ("| Row | Experiment | Paper Acc@1 | Ours best val top-1 (epoch) | Ours final-epoch val top-1 | Data | "
+            "Epochs |")  # every figure named with its split: the validation split of the raw weights (not EMA)
     lines = [head, "|---|---|---|---|---|---|---|"]
 
     def ours(run: RunLog) -> str:
@@ -188,7 +189,9 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
         lines[0] = lines[0].replace("| Row | Experiment | Paper Acc@1 |", "| Run |")
         lines[1] = "|---|---|---|---|---|"
         lines += [f"| {run.name} | {ours(run)} |" for run in runs]
-        return "\n".join(lines) + "\n"
+        title = ("Runs: validation top-1 (%) of the raw weights (not EMA), the best epoch's and the final epoch's; "
+                 "epochs counted from 1. The held-out test split's figures are in models.md.")
+        return f"{title}\n\n" + "\n".join(lines) + "\n"
     for row in paper_rows:
         matching = [r for r in runs if any(int(m["table"]) == table and m["row"] == row["row"] for m in r.rows)]
         prefix = f"| {row['row']} | {row['experiment']} | {_fmt(row['top1'])} |"
@@ -201,7 +204,8 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
             if int(m["table"]) == table and m["row"] not in known:
                 lines.append(f"| {m['row']} (not in the current configs) | {run.name} | {_fmt(m.get('top1'))} "
                              f"| {ours(run)} |")
-    title = f"Table {table}: the paper's Acc@1 beside ours (validation top-1, %; epochs counted from 1)."
+    title = (f"Table {table}: the paper's Acc@1 beside ours (validation top-1 of the raw weights, not EMA, %; epochs "
+             "counted from 1).")
     return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -221,7 +225,7 @@ def segmentation_markdown(runs: list[RunLog]) -> str:
         groups.setdefault(run.name, []).append(run)
     means = {name: statistics.fmean(r.final_top1() for r in rs) for name, rs in groups.items()}
     best = max(means.values())
-    lines = ["| experiment | mixer | mIoU | pixel accuracy | mIoU per seed | to the best | epochs |",
+    lines = ["| experiment | mixer | val mIoU | val pixel accuracy | val mIoU per seed | to the best | epochs |",
              "|---|---|---|---|---|---|---|"]
     for name, rs in sorted(groups.items(), key=lambda kv: -means[kv[0]]):
         miou = [r.final_top1() for r in rs]
@@ -304,7 +308,8 @@ def models_markdown(runs: list[RunLog]) -> str:
     from .comparison import SPEED_TOP1, epochs_to, format_interval, interval, reached_plateau
 
     scored = _scored_by(runs)
-    lines = [f"| family | head | mixer | {scored} % | per seed | settings | plateau | epochs to {SPEED_TOP1:.0f}% val |",
+    lines = [f"| family | head | mixer | {scored} % | {scored} per seed | settings | plateau | "
+             f"epochs to {SPEED_TOP1:.0f}% val |",
              "|---|---|---|---|---|---|---|---|"]
     for (family, pool, mixer), seeds in _models(runs).items():
         rs = [seeds[s] for s in sorted(seeds)]
@@ -349,8 +354,9 @@ def gaps_markdown(runs: list[RunLog]) -> str:
     for family, pool, mixer in models:
         if mixer in ("ssog", "ssog-steered") and pool == "avg" and (family, "token", "mha") in models:
             pairs.append((family, "own (avg vs token)", (family, pool, mixer), (family, "token", "mha")))
-    lines = ["| family | heads | comparison | gap (points) | per seed | verdict | paper | epochs to 90% val: mha - "
-             "ssog |", "|---|---|---|---|---|---|---|---|"]
+    scored = _scored_by(runs)
+    lines = [f"| family | heads | comparison | {scored} gap (points) | gap per seed | verdict | paper | epochs to 90% "
+             "val: mha - ssog |", "|---|---|---|---|---|---|---|---|"]
     for family, heads, a, b in pairs:
         ra, rb = models[a], models[b]
         gap, speed = _paired_gaps(ra, rb)
@@ -376,7 +382,8 @@ def heads_markdown(runs: list[RunLog]) -> str:
     from .comparison import format_interval
 
     models = _models(runs)
-    lines = ["| family | mixer | avg - token (points) | per seed | verdict | epochs to 90% val: token - avg |",
+    lines = [f"| family | mixer | {_scored_by(runs)}, avg - token (points) | gap per seed | verdict | epochs to 90% "
+             "val: token - avg |",
              "|---|---|---|---|---|---|"]
     for family, pool, mixer in models:
         if pool != "avg" or (family, "token", mixer) not in models:

@@ -21,8 +21,11 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
+from ssogvit.documents import read_document
+
 from .errors import CheckpointError
-from .io import read_checkpoint
+from .io import _config_from_ckpt, read_checkpoint
+from .run_folder import EXTEND_KEYS, config_diff, resume_may_change
 
 __all__ = ["EpochEndCheckpoint", "check_resumable", "rng_state", "save_resumable", "set_rng_state"]
 
@@ -82,11 +85,16 @@ def epochs_done(ckpt: Mapping[str, Any]) -> int:
     return int(progress.get("processed", int(ckpt.get("epoch", -1)) + 1))
 
 
-def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str, Any]:
+def check_resumable(path: str | Path, model_config: dict[str, Any], *, recipe: Mapping[str, Any] | None = None,
+                    config: Mapping[str, Any] | None = None, resume: Any = None) -> dict[str, Any]:
     """The checkpoint `path` as a dict if a run of `model_config` can resume from it exactly; `CheckpointError` if not.
 
     Only checkpoints taken at the end of a training epoch (`last.ckpt`) are resumable: there the data order and the
-    random state of the next epoch are known. The tensors are memory-mapped, not read.
+    random state of the next epoch are known. The tensors are memory-mapped, not read. The launch must be the
+    checkpoint's run: its training recipe (`recipe`, the module's) must be the one the checkpoint records, and the
+    launch's run config (`config`) the `config.yaml` of the run folder the checkpoint is in, but for what
+    `resume_may_change(resume)` declares; a change would be recorded but not obeyed (the optimizer state restored
+    from the checkpoint keeps the old learning rate).
     """
     path = Path(path)
     ckpt = read_checkpoint(path, mmap=True)
@@ -95,10 +103,42 @@ def check_resumable(path: str | Path, model_config: dict[str, Any]) -> dict[str,
                               f"so a resume from it cannot reproduce the data order; resume from "
                               f"{path.parent / 'last.ckpt'}, or start a new run from its weights with "
                               f"`ssogvit transfer --ckpt {path} --mode finetune`")
-    saved = (ckpt.get("hyper_parameters") or {}).get("model_config")
+    saved = _config_from_ckpt(ckpt, path)  # in the model's one form, whatever version wrote it
     if _canonical(saved) != _canonical(model_config):
         a, b = _canonical(saved) or {}, _canonical(model_config)
         keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         raise CheckpointError(f"{path} holds another model (model_config differs in {', '.join(keys)}); resume it "
                               f"with the settings it was trained with, or write elsewhere with output_dir=<new folder>")
+    if recipe is not None or config is not None:
+        _check_same_run(ckpt, Path(path), recipe, config, resume)
     return ckpt
+
+
+def _check_same_run(ckpt: Mapping[str, Any], path: Path, recipe: Mapping[str, Any] | None,
+                    config: Mapping[str, Any] | None, resume: Any) -> None:
+    """`CheckpointError` naming every setting in which the launch differs from the checkpoint's run (its recorded
+    recipe, and the `config.yaml` of its run folder), but for what a resume may change."""
+    may_change = resume_may_change(resume)
+    diff: list[str] = []
+    saved = (ckpt.get("hyper_parameters") or {}).get("recipe")
+    if recipe is not None and isinstance(saved, Mapping):  # the checkpoint's own record, under its digest
+        diff += config_diff(_as_run_config(saved), _as_run_config(recipe), may_change, labels=("run", "now"))
+    run_config = path.parent.parent / "config.yaml"
+    if config is not None and path.parent.name == "checkpoints" and run_config.is_file():
+        recorded = read_document(run_config, "config.yaml")
+        if isinstance(recorded, Mapping):
+            diff += config_diff(recorded, config, may_change, labels=("run", "now"))
+    diff = sorted(set(diff))
+    if diff:
+        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+        raise CheckpointError(f"resume={path} continues its run with that run's settings, but this launch changes "
+                              f"them ({shown}); a resume may change only {', '.join(EXTEND_KEYS)} and where things "
+                              f"are shown: drop the changes, or start a new try with resume=new")
+
+
+def _as_run_config(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """A module's recipe under the run-config keys it comes from (`batch_size` is `data.batch_size`)."""
+    out = _canonical(dict(recipe))
+    if "batch_size" in out:
+        out["data"] = {"batch_size": out.pop("batch_size")}
+    return out

@@ -258,19 +258,21 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     resume_setting = cfg.resume
+    same_run = dict(model_config=module.hparams["model_config"], recipe=module.hparams["recipe"], config=config,
+                    resume=resume_setting)
     if resume_setting not in (*NO_RESUME, *RESUME_WORDS):
-        check_resumable(resume_setting, module.hparams["model_config"])  # an explicit path: readable and ours
+        check_resumable(resume_setting, **same_run)  # an explicit path: readable, ours, this run's
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
         return _fit(cfg, output_dir, trainer, dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
     folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
     planned = folder.decide_resume(resume_setting, config)  # refused here, nothing is written (not even the lock)
-    checked = check_resumable(planned, module.hparams["model_config"]) if planned else None
+    checked = check_resumable(planned, **same_run) if planned else None
     with folder.claim(resume_setting, config) as resume:
         epoch, step, done = -1, 0, 0
         if resume is not None:
-            ckpt = checked if resume == planned else check_resumable(resume, module.hparams["model_config"])
+            ckpt = checked if resume == planned else check_resumable(resume, **same_run)
             epoch, step, done = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0)), epochs_done(ckpt)
             del ckpt
         del checked

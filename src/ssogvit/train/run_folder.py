@@ -33,7 +33,7 @@ from .errors import RunFolderError
 
 __all__ = [
     "FolderLock", "RunFolder", "RunFolderError", "config_diff", "EXTEND_KEYS", "RESUME_WORDS", "folder_state",
-    "fresh_folder", "prune_logs",
+    "fresh_folder", "prune_logs", "resume_may_change",
     "RUN_FILES", "IGNORED_KEYS", "LOCK_NAME", "STATE_NAME",
 ]
 
@@ -48,6 +48,14 @@ RESUME_WORDS = ("auto", "extend", "new")
 IGNORED_KEYS = ("resume", "output_dir", "data.root", "data.num_workers", "data.pin_memory",
                 "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.logger", "logger", "progress",
                 "cluster")
+
+
+def resume_may_change(resume: Any, ignored: Sequence[str] = IGNORED_KEYS) -> tuple[str, ...]:
+    """The one declaration of what a resume may change of the run's recorded config (docs/training.md, "A run folder
+    belongs to one run"): where things are and how they are shown (`ignored`), and with `resume=extend` or a
+    checkpoint's path (the run continued, maybe elsewhere) how long it trains (`EXTEND_KEYS`). Anything else would
+    be recorded but not obeyed (the checkpoint's optimizer state holds the old learning rate): refused."""
+    return (*ignored, *EXTEND_KEYS) if resume not in (*_NO_RESUME, "auto", "new") else tuple(ignored)
 
 
 class FolderLock:
@@ -202,12 +210,12 @@ class RunFolder:
             raise RunFolderError(f"{folder} holds a run whose config.yaml cannot be used ({err}); {elsewhere}",
                                  argument=str(folder)) from None
         saved = saved if isinstance(saved, Mapping) else {}
-        ignored = (*self.ignored, *EXTEND_KEYS) if resume == "extend" else self.ignored
-        diff = config_diff(saved, config, ignored)
+        diff = config_diff(saved, config, resume_may_change(resume, self.ignored))
         if diff:
             shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
             raise RunFolderError(f"{folder} holds a different run ({shown}); resume it with its own settings "
-                                 f"(its config.yaml), {elsewhere}", argument=str(folder))
+                                 f"(its config.yaml), {'start a new try with resume=new, ' if longer else ''}"
+                                 f"{elsewhere}", argument=str(folder))
         if resume in (*_NO_RESUME, "new"):
             raise RunFolderError(f"{folder} holds an unfinished run of this config; resume it with resume=auto, "
                                  f"{elsewhere}", argument=str(folder))
