@@ -295,13 +295,12 @@ SLOW = [(where, cmd) for where, cmd in doc_examples()
 def workdir(tmp_path_factory):
     """A folder with a short digits run at `runs/x` (and at the other run paths the examples name)."""
     import shutil
-    import subprocess
-    import sys
 
     root = tmp_path_factory.mktemp("examples")
-    subprocess.run([sys.executable, "-m", "ssogvit", "train", "experiment=digits8_vit_ssog", "trainer.max_epochs=1",
-                    "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "output_dir=runs/x",
-                    "progress.mode=none"], cwd=root, check=True, capture_output=True, timeout=300)
+    done = cli_process.run(["train", "experiment=digits8_vit_ssog", "trainer.max_epochs=1",
+                            "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "output_dir=runs/x",
+                            "progress.mode=none"], cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     for name in ("digits_vit_mha", "name", "cifar100_ode_base_ssog", "cifar100_ode_base_steer_mu"):
         shutil.copytree(root / "runs/x", root / "runs" / name)
     return root

@@ -3,8 +3,6 @@ on the digits written out as image files it learns as the digits datamodule does
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,10 +41,10 @@ def test_the_recipe_is_small_data_not_deit():
 def test_a_folder_of_real_images_trains_through_the_command_line(tmp_path):
     root = write_digits_folder(tmp_path / "digits")
     out = tmp_path / "run"
-    res = subprocess.run(
-        [sys.executable, "-m", "ssogvit", "train", "experiment=imagefolder_small", f"data.root={root}", *GRAYSCALE,
-         "trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", f"output_dir={out}",
-         "progress.mode=none", "data.num_workers=0"], capture_output=True, text=True, timeout=300)
+    res = cli_process.run(
+        ["train", "experiment=imagefolder_small", f"data.root={root}", *GRAYSCALE, "trainer.max_epochs=1",
+         "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", f"output_dir={out}", "progress.mode=none",
+         "data.num_workers=0"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     from ssogvit.train.io import load_model
 
