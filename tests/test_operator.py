@@ -264,6 +264,8 @@ def test_dim_not_divisible_by_heads():
 def test_unknown_steering_path_and_options():
     with pytest.raises(ValueError, match=r"unknown steering path\(s\) \['tau'\]"):
         create_mixer("ssog-steered", 16, 2, steer=("mu", "tau"))
+    with pytest.raises(ValueError, match=r"steer=True: expected a subset of \('mu', 'sigma', 'lambda'\), 'all'"):
+        create_mixer("ssog", 16, 2, steer=True)
     with pytest.raises(ValueError, match="unknown mixer 'flash'.*'ssog'"):
         create_mixer("flash", 16, 2)
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_atoms'\].*valid options"):

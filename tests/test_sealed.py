@@ -134,6 +134,17 @@ def test_timm_overlay_checks_the_copy_and_a_saved_folder_its_top_level_classes(e
             load()
 
 
+def test_timm_file_overlay_takes_a_saved_folder_and_names_a_missing_file(tmp_path):
+    model = create_model("vit-tiny-ssog", **TINY).eval()
+    folder = model.save_pretrained(tmp_path / "saved")
+    again = timm.create_model("ssogvit_vit_tiny_ssog", pretrained=True, pretrained_cfg_overlay=dict(file=str(folder)))
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(again.eval()(x), model(x), rtol=0, atol=0)
+    for missing, what in ((tmp_path / "nope.safetensors", ""), (tmp_path, r" \(a folder that is not a save_pretrained")):
+        with pytest.raises(FileNotFoundError, match=f"no weights file {missing}{what}"):
+            timm.create_model("ssogvit_vit_tiny_ssog", pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
+
+
 def test_eval_and_export_never_write_over_a_file_the_load_reads(exported, tmp_path):
     _, path = exported
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

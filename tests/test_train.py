@@ -238,6 +238,8 @@ def test_truncated_checkpoint_is_a_clear_error_and_leaves_the_others(trained, tm
         resolve_resume(cfg, ckpts)  # resume=auto refuses the torn last.ckpt instead of failing mid-restore
     assert (ckpts / "last.ckpt").stat().st_size == len(data) // 2  # left in place for the user
     assert load_model(ckpts / "best.ckpt") is not None
+    with pytest.raises(CheckpointError, match=r"config.yaml is a text file, not a checkpoint: expected a Lightning"):
+        load_model(out / "config.yaml")  # the run's config, handed over by mistake
 
 
 def test_a_failed_checkpoint_write_leaves_the_previous_file(tmp_path):

@@ -31,6 +31,9 @@ def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
         return STEER_PATHS
     if isinstance(steer, str):
         steer = [s for s in steer.replace("+", ",").split(",") if s]
+    if not isinstance(steer, Iterable):
+        raise ValueError(f"steer={steer!r}: expected a subset of {STEER_PATHS}, 'all' or 'none' (the mixer "
+                         "'ssog-steered' steers all three)")
     steer = tuple(steer)
     unknown = [s for s in steer if s not in STEER_PATHS]
     if unknown:

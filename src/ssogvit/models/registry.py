@@ -299,6 +299,24 @@ def sealed_config(file: str | Path, names: Mapping[str, str] | None = None) -> d
     return file_config(file, header, side, {timm_name(n): n for n in list_models()} if names is None else names)
 
 
+def weights_path(path: str | Path) -> Path:
+    """``path``, or for a ``save_pretrained`` folder (``config.json`` and ``model.safetensors``) its
+    ``model.safetensors``: every command and loader that takes a weights file takes such a folder too."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "model.safetensors").is_file() and (p / "config.json").is_file():
+        return p / "model.safetensors"
+    return p
+
+
+def _weights_file(file: str | Path) -> Path:
+    """``weights_path(file)``, which must be a file (``FileNotFoundError`` naming it)."""
+    path = weights_path(file)
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file {path}" + (" (a folder that is not a save_pretrained folder)"
+                                                             if path.is_dir() else ""))
+    return path
+
+
 def read_weights(file: str | Path) -> tuple[dict[str, Tensor], dict | None]:
     """The tensors of a weights file and the ssogvit model config it holds (``None`` for a file of timm's or
     anyone's): a sealed ``.safetensors`` (export, ``save_pretrained``; its digest and the readable copy beside it
@@ -307,11 +325,7 @@ def read_weights(file: str | Path) -> tuple[dict[str, Tensor], dict | None]:
     from safetensors.torch import load_file
     from timm.models import load_state_dict
 
-    path = Path(file).expanduser()
-    if path.is_dir() and (path / "model.safetensors").is_file():  # a save_pretrained folder
-        path = path / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"no weights file {path}")
+    path = _weights_file(file)
     if path.suffix == ".safetensors":
         config = sealed_config(path)
         return load_file(str(path)), config
@@ -371,6 +385,11 @@ def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any,
                          "pretrained_cfg_overlay=dict(file='.../model.safetensors')")
     if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
         _check_saved_folder(Path(cfg.file), name)
+    elif cfg.file:  # a file overlay: a save_pretrained folder stands for its weights file (as in read_weights)
+        file = _weights_file(cfg.file)
+        if file != Path(cfg.file).expanduser():
+            _check_saved_folder(file.parent, name)
+        cfg = replace(cfg, file=str(file))
     saved = None
     if cfg.file and str(cfg.file).endswith(".safetensors"):
         saved = sealed_config(cfg.file)

@@ -33,6 +33,7 @@ from ssogvit.documents import MAX_PARAMETERS, input_file, read_document
 from ssogvit.errors import InputError
 from ssogvit.resources import check_device
 from ssogvit.models import check_model_config, create_model, list_models, timm_name
+from ssogvit.models.registry import weights_path
 from ssogvit.models.sealed import (COPY_KEY, DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest,
                                    file_config, seal, verify)
 from ssogvit.outputs import atomic_write
@@ -77,15 +78,6 @@ def _checkpoint_file(path: str | Path, what: str = "checkpoint") -> Path:
         raise CheckpointError(f"{str(err).removeprefix(f'{what}: ')}{hint}") from None
 
 
-def weights_path(path: str | Path) -> Path:
-    """``path``, or for a ``save_pretrained`` folder (``config.json`` and ``model.safetensors``) its
-    ``model.safetensors``: every command and loader that takes a checkpoint takes such a folder too."""
-    p = Path(path).expanduser()
-    if p.is_dir() and (p / "model.safetensors").is_file() and (p / "config.json").is_file():
-        return p / "model.safetensors"
-    return p
-
-
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Checkpoint files in `folder`, oldest first."""
     folder = Path(folder)
@@ -109,6 +101,9 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, bad pickle, disallowed global, ...
         refused = re.search(r"GLOBAL (\S+)", str(err))
+        if not refused and _is_text(path):
+            raise CheckpointError(f"{path} is a text file, not a checkpoint: expected a Lightning .ckpt, an exported "
+                                  ".safetensors or a save_pretrained folder") from None
         if isinstance(err, pickle.UnpicklingError) and (refused or "Weights only load failed" in str(err)):
             # torch's own text suggests retrying with weights_only=False; a file that needs it is not ours to run
             what = f"it asks to run {refused.group(1)}" if refused else "it holds objects other than tensors and data"
@@ -123,6 +118,16 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
         raise CheckpointError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
     _check_digest(ckpt, ckpt.get(DIGEST_KEY), path)
     return ckpt
+
+
+def _is_text(path: Path) -> bool:
+    """Whether the file starts as text (a config, a log) rather than as any binary checkpoint could."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    try:
+        return b"\0" not in head and bool(head.decode("utf-8").strip())
+    except UnicodeDecodeError:
+        return False
 
 
 def check_checkpoint(path: str | Path) -> None:
