@@ -280,6 +280,24 @@ def test_eval_refuses_data_options_that_split_the_images_otherwise_than_the_run(
     assert_user_error(res, "ssogvit eval: data.seed=1: the checkpoint's run was trained with data.seed=0")
 
 
+def test_eval_takes_a_checkpoints_data_settings_from_it_and_refuses_an_edited_config_yaml(tiny_run, tmp_path):
+    """The audit's C041: a checkpoint records its run's data settings under its digest; the run's config.yaml edited
+    since (another split: training images scored as validation) is named, not obeyed."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"]["seed"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--progress", "none")
+    assert_user_error(res, f"ssogvit eval: {run / 'config.yaml'} was changed since {ckpt} was written "
+                           "(data.seed: last.ckpt 0, config.yaml 1)")
+
+
 @pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}
