@@ -20,7 +20,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAY_DIFFER", "comparison_differences", "PLATEAU_FRACTION", "PLATEAU_POINTS", "SPEED_TOP1", "Interval", "Gap", "interval", "paired_gap",
+__all__ = ["MAY_DIFFER", "comparison_differences", "PLATEAU_FRACTION", "PLATEAU_POINTS", "SPEED_TOP1", "Interval",
+           "Gap", "interval", "paired_gap",
            "plateau_gain", "reached_plateau", "epochs_to", "format_interval"]
 
 PLATEAU_FRACTION = 0.2   # the last fifth of the epochs ...
