@@ -517,7 +517,7 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("ckpt.keep=-5", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "every_n_train_steps"),
     ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
     ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
-    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "not divisible by the patch size 5"),
+    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "patch_size 5 does not divide img_size (16, 16)"),
     ("model.kwargs.embed_dim=0", "embed_dim=0"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
     ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
     ("output_dir= ", "output_dir is empty"),

@@ -205,6 +205,18 @@ def _image_size(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def check_fit(img_size: tuple[int, int], patch_size: int, *, dynamic_img_pad: bool = False) -> None:
+    """``InputError`` unless ``patch_size`` fits ``img_size`` and (without ``dynamic_img_pad``) divides it: the one
+    rule of the constructor, ``set_patch_size`` and ``set_input_size``, so a model never declares a size it refuses
+    to run (docs/models.md)."""
+    if img_size[0] < patch_size or img_size[1] < patch_size:
+        raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
+    if (img_size[0] % patch_size or img_size[1] % patch_size) and not dynamic_img_pad:
+        raise InputError(f"patch_size {patch_size} does not divide img_size {img_size}: the model would refuse "
+                         "images of its own size; give a patch_size that divides img_size (or dynamic_img_pad=True "
+                         "to pad)", argument="patch_size")
+
+
 #: what ``save_pretrained`` writes into its folder (timm's hub layout); a folder holding anything else is not replaced
 SAVED_FILES = ("config.json", "model.safetensors")
 
@@ -325,8 +337,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         if embed_dim % num_heads != 0:
             raise InputError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})",
                              argument="num_heads")
-        if img_size[0] < patch_size or img_size[1] < patch_size:
-            raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
+        check_fit(img_size, patch_size, dynamic_img_pad=dynamic_img_pad)
         self._check_parameter_memory(embed_dim, depth, img_size, patch_size, in_chans, num_classes, mlp_ratio)
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
@@ -591,10 +602,13 @@ class VisionTransformerBase(TimmVisionTransformer):
         the new grid at ``img_size``; with ``rescale_field`` the SSoG centres ``mu``, widths ``sigma`` and the
         steering radius are multiplied by the grid ratio so each Gaussian covers the same image area.
         """
+        patch_size = PATCH_SIZE.check(patch_size, "patch_size")
+        check_fit(self.img_size, patch_size, dynamic_img_pad=self.patch_embed.dynamic_img_pad)
+        self._set_patch_size(patch_size, rescale_field)
+
+    def _set_patch_size(self, patch_size: int, rescale_field: bool) -> None:
         if patch_size == self.patch_size:
             return
-        if patch_size < 1 or patch_size > min(self.img_size):
-            raise ValueError(f"patch_size {patch_size} does not fit img_size {self.img_size}")
         old_grid = self.grid_size
         transfer.resize_patch_embed(self.patch_embed, patch_size)
         new_grid = self.grid_size
@@ -623,11 +637,16 @@ class VisionTransformerBase(TimmVisionTransformer):
         if patch_size is not None:
             if not isinstance(patch_size, int):
                 raise ValueError(f"ssogvit models have square patches: give patch_size as an int, got {patch_size!r}")
-            self.set_patch_size(patch_size)
+            patch_size = PATCH_SIZE.check(patch_size, "patch_size")
+        new_size = self.img_size if img_size is None else _image_size(img_size)
+        check_fit(new_size, self.patch_size if patch_size is None else patch_size,
+                  dynamic_img_pad=self.patch_embed.dynamic_img_pad)
+        if patch_size is not None:
+            self._set_patch_size(patch_size, False)
         if img_size is None:
             return
         old_grid = self.grid_size
-        img_size = _image_size(img_size)
+        img_size = new_size
         self.patch_embed.set_input_size(img_size=img_size)
         with torch.no_grad():
             pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, self.grid_size, num_prefix_tokens=1)
