@@ -524,6 +524,9 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     # contradictory settings (ssogvit.train.settings.CONSTRAINTS), refused together before anything is written
     ("trainer.max_epochs=-1", "the run would never end"), ("trainer.limit_train_batches=0", "would train nothing"),
     ("model.kwargs.num_classes=5", "model.kwargs.num_classes differs from data.num_classes"),
+    # the audit's C093: a linear probe of nothing was recorded while everything trained
+    ("transfer.mode=linear", "transfer.mode / transfer.use_ema without transfer.ckpt"),
+    ("transfer.use_ema=true", "transfer.mode / transfer.use_ema without transfer.ckpt"),
 ]]
 
 
