@@ -392,6 +392,17 @@ def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
     assert merged["meta"]["points_in_several_files"] == 4
 
 
+def test_bench_operator_refuses_a_resolution_the_patch_does_not_divide(tmp_path):
+    """The audit's C125: `--res 100 --patch 16` measured a 6x6 grid (96 px) and labelled it 100."""
+    out = tmp_path / "out"
+    assert_user_error(ssogvit("bench", "operator", "--mixers", "mha", "--res", "64", "100", "--patch", "16",
+                              "--batch", "1", "--iters", "1", "--warmup", "0", "--device", "cpu", "--no-plots",
+                              "--out", str(out)),
+                      "ssogvit bench: --res 100 is not a multiple of --patch 16: the mixer would run on a 6x6 grid "
+                      "(96 px) labelled 100; give resolutions the patch divides")
+    assert not out.exists()
+
+
 def test_bench_refuses_a_run_that_would_measure_nothing(tmp_path, capsys):
     """``--iters 0`` (memory only) with ``--no-memory`` wrote an empty table and plots and exited 0."""
     out = tmp_path / "out"
