@@ -217,20 +217,35 @@ def check_fit(img_size: tuple[int, int], patch_size: int, *, dynamic_img_pad: bo
                          "to pad)", argument="patch_size")
 
 
+def _loadable(folder: str | Path, name: str, stage: Path) -> None:
+    """``InputError`` unless ``from_pretrained`` takes the saved folder written in ``stage`` (its own check)."""
+    from ssogvit.documents import DocumentError
+
+    from .registry import _check_saved_folder
+
+    try:
+        _check_saved_folder(stage, name)
+    except DocumentError as err:
+        detail = str(err).split("config.json: ", 1)[-1]
+        raise InputError(f"save_pretrained: from_pretrained would refuse the folder ({detail}); nothing was written "
+                         f"to {folder}", argument="save_directory") from None
+
+
 #: what ``save_pretrained`` writes into its folder (timm's hub layout); a folder holding anything else is not replaced
 SAVED_FILES = ("config.json", "model.safetensors")
 
 
 def write_saved_folder(folder: str | Path, model: nn.Module, *, model_args: dict[str, Any],
                        config: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
-                       overwrite: bool = True) -> Path:
+                       overwrite: bool = True, check: Callable[[Path], None] | None = None) -> Path:
     """The one writer of every ``save_pretrained`` folder (ssogvit's models, ``ssogify``'d timm models): timm's
     ``save_for_hf`` (``config.json``, ``model.safetensors``), then the weights file sealed (``seal_file``) with
     ``config`` (default: what ``config.json`` states, its ``architecture`` as ``name`` and its ``model_args``) and the
     whole ``config.json`` as its sealed copy, so every loader checks both (docs/models.md, "Saved and exported
     weights").
     Written through ``replace_folder`` (``SAVED_FILES``); with ``overwrite=False`` a folder that holds a saved model
-    already is refused (``FileExistsError``)."""
+    already is refused (``FileExistsError``). ``check(stage)``, the loader's own validation, runs on the written
+    folder before it takes ``folder``'s place: a folder its loader would refuse is never written."""
     existing = [f for f in SAVED_FILES if (Path(folder) / f).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{folder} already holds {existing}; save with overwrite=True to replace them")
@@ -240,6 +255,8 @@ def write_saved_folder(folder: str | Path, model: nn.Module, *, model_args: dict
         document = json.loads((stage / "config.json").read_text())
         stated = {"name": document["architecture"], **document.get("model_args", {})}
         seal_file(stage / "model.safetensors", stated if config is None else config, copy=document)
+        if check is not None:
+            check(stage)
 
     return replace_folder(folder, write, owned=SAVED_FILES)
 
@@ -474,9 +491,13 @@ class VisionTransformerBase(TimmVisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """timm's: a new head for ``num_classes`` (0: none), optionally another pool (``"token"``, ``"avg"``, or
         ``""`` for none); the config follows, so ``create_model(**config)`` rebuilds the model."""
+        num_classes = NUM_CLASSES.check(num_classes, "num_classes")
         if global_pool is not None and global_pool not in (*GLOBAL_POOLS, ""):
-            raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS} or ''")
+            raise InputError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS} or ''",
+                             argument="global_pool")
         super().reset_classifier(num_classes, global_pool)
+        # timm records fc_norm for rebuilding its own ViT; ours always normalise before pooling (no such option)
+        getattr(self, "_model_args", {}).pop("fc_norm", None)
         self.config["num_classes"] = num_classes
         if global_pool:
             self.config["global_pool"] = global_pool
@@ -502,7 +523,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         """
         model_args = {k: v for k, v in self.config.items() if k != "name"}
         return write_saved_folder(save_directory, self, model_args=model_args, config=self.config,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, check=partial(_loadable, save_directory, self.config["name"]))
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
