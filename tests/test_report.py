@@ -204,3 +204,21 @@ def test_a_comparison_refuses_runs_of_another_data_split_or_budget(tmp_path):
             f"{value!r}; the runs of a comparison differ only in the mixer, its head and its tuned settings "
             "(docs/training.md, \"How comparisons are made\"): report them apart"], p.stderr
         assert not (tmp_path / f"out-{key}").exists()
+
+
+def test_a_report_never_stands_beside_an_earlier_reports_files(runs, tmp_path):
+    """The audit's C132: `report --overwrite` into a folder holding an earlier report's table7.md left it beside the
+    new files, as if part of this report; the user's own files are no report's."""
+    _, _, plain = runs
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "table7.md").write_text("old table7")
+    p = ssogvit("report", plain, "--out", out, "--overwrite")
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"ssogvit report: {out} holds table7.md of an earlier report, which this one does not write: the folder "
+        "would mix two reports; move them away or choose another --out"], p.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["notes.txt", "table7.md"]
+    (out / "table7.md").unlink()
+    assert ssogvit("report", plain, "--out", out).returncode == 0
+    assert sorted(x.name for x in out.iterdir()) == ["curves.png", "notes.txt", "runs.md"]

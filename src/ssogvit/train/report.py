@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -502,6 +503,11 @@ def main(argv: list[str]) -> int:
     return report_errors("ssogvit report", run)
 
 
+#: the names of every file a report writes (`_report`): a folder holding one this report does not write is refused
+REPORT_FILE = re.compile(r"(table\d+|segmentation|runs|sweep|reproduction)\.md"
+                         r"|(segmentation|reproduction_curves|curves)\.png")
+
+
 def _report(args: argparse.Namespace) -> list[Path]:
     from .config import experiment_rows
 
@@ -533,6 +539,11 @@ def _report(args: argparse.Namespace) -> list[Path]:
                                                       heads_markdown(twins)])
         outputs[out / "reproduction_curves.png"] = twins
     outputs[out / "curves.png"] = None
+    stale = sorted(p.name for p in out.iterdir() if REPORT_FILE.fullmatch(p.name) and p not in outputs
+                   ) if out.is_dir() else []
+    if stale:  # replaced or not, they would stand beside this report as if part of it
+        raise ReportError(f"{out} holds {', '.join(stale)} of an earlier report, which this one does not write: the "
+                          "folder would mix two reports; move them away or choose another --out", argument="--out")
     existing = [str(p) for p in outputs if p.exists()]
     if existing and not args.overwrite:
         raise ReportError(f"{', '.join(existing)} already exist; pass {OVERWRITE_FLAG} to replace them or choose "
