@@ -217,14 +217,17 @@ def check_fit(img_size: tuple[int, int], patch_size: int, *, dynamic_img_pad: bo
                          "to pad)", argument="patch_size")
 
 
+#: from_pretrained's check of a saved folder (`registry._check_saved_folder`, set there: the registry builds on this
+#: module, and every model is made after `ssogvit.models` has imported it)
+SAVED_FOLDER_CHECK: list[Callable[[Path, str], None]] = []
+
+
 def _loadable(folder: str | Path, name: str, stage: Path) -> None:
     """``InputError`` unless ``from_pretrained`` takes the saved folder written in ``stage`` (its own check)."""
     from ssogvit.documents import DocumentError
 
-    from .registry import _check_saved_folder
-
     try:
-        _check_saved_folder(stage, name)
+        SAVED_FOLDER_CHECK[0](stage, name)
     except DocumentError as err:
         detail = str(err).split("config.json: ", 1)[-1]
         raise InputError(f"save_pretrained: from_pretrained would refuse the folder ({detail}); nothing was written "
