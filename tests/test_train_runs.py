@@ -564,7 +564,14 @@ def test_bad_files_are_short_errors(finished, tmp_path, capsys):
         assert cli_main(["eval", "--ckpt", str(tmp_path / name), "--device", "cpu"]) == 2, name
         assert_clear_error(2, capsys.readouterr().err, needle)
     (tmp_path / "alone.ckpt").write_bytes((finished / "checkpoints" / "best.ckpt").read_bytes())
-    assert cli_main(["eval", "--ckpt", str(tmp_path / "alone.ckpt"), "--device", "cpu"]) == 2  # never a guessed dataset
+    assert cli_main(["eval", "--ckpt", str(tmp_path / "alone.ckpt"), "--device", "cpu"]) == 0  # its own data record
+    capsys.readouterr()
+    from ssogvit.train.io import DIGEST_KEY, content_digest
+
+    body = {k: v for k, v in torch.load(tmp_path / "alone.ckpt", weights_only=True).items() if k != DIGEST_KEY}
+    del body["hyper_parameters"]["data"]  # a checkpoint written before they recorded their data
+    torch.save({**body, DIGEST_KEY: content_digest(body)}, tmp_path / "older.ckpt")
+    assert cli_main(["eval", "--ckpt", str(tmp_path / "older.ckpt"), "--device", "cpu"]) == 2  # never a guessed dataset
     assert_clear_error(2, capsys.readouterr().err, "no data config beside", "data=")
     for argv in (["--img-size", "0"], ["--patch-size", "-2"], ["--patch-size", "5"]):
         try:
