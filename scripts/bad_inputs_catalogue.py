@@ -249,7 +249,7 @@ def _train_cases() -> list[Case]:
         ("trainer.accumulate_grad_batches=0", "range", "accumulate_grad_batches"),
         ("trainer.gradient_clip_val=-1", "range", "gradient_clip_val"), ("trainer.devices=0", "range", "devices"),
         ("trainer.precision=foo", "unknown", "foo"), ("transfer.mode=bogus", "unknown", "transfer.mode"),
-        ("model.kwargs.patch_size=5", "range", "patch size 5"), ("model.kwargs.embed_dim=0", "range", "embed_dim"),
+        ("model.kwargs.patch_size=5", "range", "patch_size 5"), ("model.kwargs.embed_dim=0", "range", "embed_dim"),
         ("model.kwargs.num_heads=3", "range", "num_heads"), ("model.kwargs.depth=0", "range", "depth"),
         ("model.size=huge", "unknown", "huge"), ("model.mixer=foo", "unknown", "foo"),
         ("+model.kwargs.drop_path_rate=5", "range", "drop_path_rate"), ("+model.kwargs.bogus=1", "unknown", "bogus"),

@@ -280,6 +280,24 @@ def test_eval_refuses_data_options_that_split_the_images_otherwise_than_the_run(
     assert_user_error(res, "ssogvit eval: data.seed=1: the checkpoint's run was trained with data.seed=0")
 
 
+def test_eval_takes_a_checkpoints_data_settings_from_it_and_refuses_an_edited_config_yaml(tiny_run, tmp_path):
+    """The audit's C041: a checkpoint records its run's data settings under its digest; the run's config.yaml edited
+    since (another split: training images scored as validation) is named, not obeyed."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"]["seed"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--progress", "none")
+    assert_user_error(res, f"ssogvit eval: {run / 'config.yaml'} was changed since {ckpt} was written "
+                           "(data.seed: last.ckpt 0, config.yaml 1)")
+
+
 @pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}
@@ -372,6 +390,17 @@ def test_bench_report_refuses_what_it_cannot_merge_and_names_its_rule(tmp_path):
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert sorted(r["time_ms_median"] for r in merged["rows"]) == [3.0] * 4  # every point from b.json
     assert merged["meta"]["points_in_several_files"] == 4
+
+
+def test_bench_operator_refuses_a_resolution_the_patch_does_not_divide(tmp_path):
+    """The audit's C125: `--res 100 --patch 16` measured a 6x6 grid (96 px) and labelled it 100."""
+    out = tmp_path / "out"
+    assert_user_error(ssogvit("bench", "operator", "--mixers", "mha", "--res", "64", "100", "--patch", "16",
+                              "--batch", "1", "--iters", "1", "--warmup", "0", "--device", "cpu", "--no-plots",
+                              "--out", str(out)),
+                      "ssogvit bench: --res 100 is not a multiple of --patch 16: the mixer would run on a 6x6 grid "
+                      "(96 px) labelled 100; give resolutions the patch divides")
+    assert not out.exists()
 
 
 def test_bench_refuses_a_run_that_would_measure_nothing(tmp_path, capsys):

@@ -96,7 +96,7 @@ def test_a_run_resumes_from_its_epoch_end_checkpoint(trained, tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["data.img_size=72"], "72 px"),
+    (["data.img_size=72"], "patch_size 16 does not divide img_size (72, 72)"),
     (["model.kwargs.task=null"], "set model.kwargs.task=segmentation"),
     (["ckpt.monitor=val/top1"], "use val/miou"),
     (["data.scale=[0.3,0.1]"], "low is more than high"),

@@ -449,6 +449,28 @@ def test_set_patch_size_leaves_the_field_alone_unless_asked():
     torch.testing.assert_close(model.blocks[0].attn.rho, rho, rtol=0, atol=0)
 
 
+def test_a_model_never_declares_a_size_its_patch_does_not_divide():
+    """The audit's C006 and C114: create_model(img_size=33, patch_size=4) and set_patch_size(3) on a 16 px model
+    built a model that refused images of its own declared size; one check (`check_fit`) refuses them at the call."""
+    from ssogvit.errors import InputError
+
+    message = r"patch_size {} does not divide img_size \({s}, {s}\): the model would refuse images of its own size"
+    with pytest.raises(InputError, match=message.format(4, s=33)):
+        create_model("vit-tiny-ssog", **{**TINY, "img_size": 33, "patch_size": 4})
+    model = create_model("vit-tiny-ssog", **{**TINY, "img_size": 16, "patch_size": 4})
+    for change, (patch, size) in ((lambda: model.set_patch_size(3), (3, 16)),
+                                  (lambda: model.set_input_size(patch_size=3), (3, 16)),
+                                  (lambda: model.set_input_size(img_size=18), (4, 18))):
+        with pytest.raises(InputError, match=message.format(patch, s=size)):
+            change()
+        assert model.config["img_size"] == (16, 16) and model.config["patch_size"] == 4
+        assert model(torch.randn(1, 3, 16, 16)).shape == (1, model.num_classes)
+    model.set_input_size(img_size=18, patch_size=3)  # the pair fits: both change together
+    assert model(torch.randn(1, 3, 18, 18)).shape == (1, model.num_classes)
+    padded = create_model("vit-tiny-ssog", **{**TINY, "img_size": 33, "patch_size": 4, "dynamic_img_pad": True})
+    assert padded(torch.randn(1, 3, 33, 33)).shape == (1, padded.num_classes)
+
+
 # -- global_pool: class token or patch mean ----------------------------------------------------------------------
 
 

@@ -172,3 +172,53 @@ def test_a_run_that_leaves_its_head_to_the_model_is_labelled_with_the_head_the_m
     assert _head({"mixer": "mha", "kwargs": {}}) == "token"
     assert _head({"mixer": "ssog", "kwargs": {"global_pool": "token"}}) == "token"
 
+
+
+def test_a_comparison_refuses_runs_of_another_data_split_or_budget(tmp_path):
+    """The audit's C086 and C056: an SSoG run and its MHA twin of another data.split_seed (different test sets) or
+    another trainer.max_epochs were paired as seeds of one comparison; only what `comparison.MAY_DIFFER` declares
+    may differ."""
+    import shutil
+
+    import yaml
+
+    short = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+             "trainer.enable_progress_bar=false", "trainer.accelerator=cpu", "trainer.devices=1", "resume=null"]
+    paper, twin = tmp_path / "vit_ssog", tmp_path / "vit_mha"  # CPU-sized twins of the paper's runs
+    for experiment, out in (("digits8_vit_ssog", paper), ("digits8_vit_mha", twin)):
+        train(compose([f"experiment={experiment}", *short, f"output_dir={out}"]), verbose=False)
+    p = ssogvit("report", paper, twin, "--out", tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    assert "| ssog - mha |" in (tmp_path / "out" / "reproduction.md").read_text()
+    for key in ("data.split_seed", "trainer.max_epochs"):
+        other = tmp_path / key
+        shutil.copytree(twin, other)
+        config = yaml.safe_load((other / "config.yaml").read_text())
+        section, name = key.split(".")
+        saved = config[section][name]
+        value = config[section][name] = saved + 1
+        (other / "config.yaml").write_text(yaml.safe_dump(config))
+        p = ssogvit("report", paper, other, "--out", tmp_path / f"out-{key}")
+        assert p.returncode == 2 and p.stderr.splitlines() == [
+            f"ssogvit report: {paper} and {other} cannot be compared: {key}: {paper.name} {saved!r}, {other.name} "
+            f"{value!r}; the runs of a comparison differ only in the mixer, its head and its tuned settings "
+            "(docs/training.md, \"How comparisons are made\"): report them apart"], p.stderr
+        assert not (tmp_path / f"out-{key}").exists()
+
+
+def test_a_report_never_stands_beside_an_earlier_reports_files(runs, tmp_path):
+    """The audit's C132: `report --overwrite` into a folder holding an earlier report's table7.md left it beside the
+    new files, as if part of this report; the user's own files are no report's."""
+    _, _, plain = runs
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "table7.md").write_text("old table7")
+    p = ssogvit("report", plain, "--out", out, "--overwrite")
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"ssogvit report: {out} holds table7.md of an earlier report, which this one does not write: the folder "
+        "would mix two reports; move them away or choose another --out"], p.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["notes.txt", "table7.md"]
+    (out / "table7.md").unlink()
+    assert ssogvit("report", plain, "--out", out).returncode == 0
+    assert sorted(x.name for x in out.iterdir()) == ["curves.png", "notes.txt", "runs.md"]

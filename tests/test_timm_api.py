@@ -341,6 +341,30 @@ def test_save_pretrained_round_trips_bit_for_bit(family, mixer, tmp_path):
         from_pretrained(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("family", ["vit", "ode"])
+def test_reset_classifier_checks_its_arguments_and_save_pretrained_writes_only_what_loads(family, tmp_path):
+    """The audit's C115 and C128: reset_classifier(-1) was accepted, and after reset_classifier(3, "token") on an
+    SSoG model save_pretrained wrote a folder (timm's fc_norm in its model_args) that from_pretrained refused."""
+    from ssogvit.errors import InputError
+
+    model = tiny(family, "ssog").eval()
+    with pytest.raises(InputError, match=r"num_classes=-1: expected an integer in \[0, 1000000\]"):
+        model.reset_classifier(-1)
+    with pytest.raises(InputError, match="unknown global_pool 'bogus'"):
+        model.reset_classifier(3, global_pool="bogus")
+    assert model.num_classes == model.config["num_classes"] != -1
+    model.reset_classifier(3, global_pool="token")
+    model.save_pretrained(tmp_path / "token")
+    twin = from_pretrained(tmp_path / "token").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert twin.config == model.config and torch.equal(twin(x), model(x))
+    model.config["depth"] = 0  # a config its loader refuses: never written
+    with pytest.raises(InputError, match="save_pretrained: from_pretrained would refuse the folder"):
+        model.save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_timm_loads_our_exported_weights(family, tmp_path):
     model = open_steering(tiny(family, "ssog-steered")).eval()

@@ -517,13 +517,16 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("ckpt.keep=-5", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "every_n_train_steps"),
     ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
     ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
-    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "not divisible by the patch size 5"),
+    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "patch_size 5 does not divide img_size (16, 16)"),
     ("model.kwargs.embed_dim=0", "embed_dim=0"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
     ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
     ("output_dir= ", "output_dir is empty"),
     # contradictory settings (ssogvit.train.settings.CONSTRAINTS), refused together before anything is written
     ("trainer.max_epochs=-1", "the run would never end"), ("trainer.limit_train_batches=0", "would train nothing"),
     ("model.kwargs.num_classes=5", "model.kwargs.num_classes differs from data.num_classes"),
+    # the audit's C093: a linear probe of nothing was recorded while everything trained
+    ("transfer.mode=linear", "transfer.mode / transfer.use_ema without transfer.ckpt"),
+    ("transfer.use_ema=true", "transfer.mode / transfer.use_ema without transfer.ckpt"),
 ]]
 
 
@@ -561,7 +564,14 @@ def test_bad_files_are_short_errors(finished, tmp_path, capsys):
         assert cli_main(["eval", "--ckpt", str(tmp_path / name), "--device", "cpu"]) == 2, name
         assert_clear_error(2, capsys.readouterr().err, needle)
     (tmp_path / "alone.ckpt").write_bytes((finished / "checkpoints" / "best.ckpt").read_bytes())
-    assert cli_main(["eval", "--ckpt", str(tmp_path / "alone.ckpt"), "--device", "cpu"]) == 2  # never a guessed dataset
+    assert cli_main(["eval", "--ckpt", str(tmp_path / "alone.ckpt"), "--device", "cpu"]) == 0  # its own data record
+    capsys.readouterr()
+    from ssogvit.train.io import DIGEST_KEY, content_digest
+
+    body = {k: v for k, v in torch.load(tmp_path / "alone.ckpt", weights_only=True).items() if k != DIGEST_KEY}
+    del body["hyper_parameters"]["data"]  # a checkpoint written before they recorded their data
+    torch.save({**body, DIGEST_KEY: content_digest(body)}, tmp_path / "older.ckpt")
+    assert cli_main(["eval", "--ckpt", str(tmp_path / "older.ckpt"), "--device", "cpu"]) == 2  # never a guessed dataset
     assert_clear_error(2, capsys.readouterr().err, "no data config beside", "data=")
     for argv in (["--img-size", "0"], ["--patch-size", "-2"], ["--patch-size", "5"]):
         try:

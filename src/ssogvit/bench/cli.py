@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         known = [*list_mixers(), "torch-mha"]
         if unknown := [m for m in args.mixers if sweeps.parse_mixer(m)[0] not in known]:
             raise UsageError(f"unknown mixer {unknown[0]!r}; expected one of {known}")
+        if uneven := [r for r in args.res if r % args.patch]:  # a grid of res // patch would be labelled res
+            r, g = uneven[0], uneven[0] // args.patch
+            raise UsageError(f"--res {r} is not a multiple of --patch {args.patch}: the mixer would run on a {g}x{g} "
+                             f"grid ({g * args.patch} px) labelled {r}; give resolutions the patch divides")
         points = sweeps.operator_points(sweeps.expand_impls(args.mixers, args.impls, device), dim=args.dim,
                                         heads=args.heads, resolutions=args.res, batches=args.batch or [8],
                                         patch=args.patch, prefix=args.prefix, **common)

@@ -205,20 +205,50 @@ def _image_size(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def check_fit(img_size: tuple[int, int], patch_size: int, *, dynamic_img_pad: bool = False) -> None:
+    """``InputError`` unless ``patch_size`` fits ``img_size`` and (without ``dynamic_img_pad``) divides it: the one
+    rule of the constructor, ``set_patch_size`` and ``set_input_size``, so a model never declares a size it refuses
+    to run (docs/models.md)."""
+    if img_size[0] < patch_size or img_size[1] < patch_size:
+        raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
+    if (img_size[0] % patch_size or img_size[1] % patch_size) and not dynamic_img_pad:
+        raise InputError(f"patch_size {patch_size} does not divide img_size {img_size}: the model would refuse "
+                         "images of its own size; give a patch_size that divides img_size (or dynamic_img_pad=True "
+                         "to pad)", argument="patch_size")
+
+
+#: from_pretrained's check of a saved folder (`registry._check_saved_folder`, set there: the registry builds on this
+#: module, and every model is made after `ssogvit.models` has imported it)
+SAVED_FOLDER_CHECK: list[Callable[[Path, str], None]] = []
+
+
+def _loadable(folder: str | Path, name: str, stage: Path) -> None:
+    """``InputError`` unless ``from_pretrained`` takes the saved folder written in ``stage`` (its own check)."""
+    from ssogvit.documents import DocumentError
+
+    try:
+        SAVED_FOLDER_CHECK[0](stage, name)
+    except DocumentError as err:
+        detail = str(err).split("config.json: ", 1)[-1]
+        raise InputError(f"save_pretrained: from_pretrained would refuse the folder ({detail}); nothing was written "
+                         f"to {folder}", argument="save_directory") from None
+
+
 #: what ``save_pretrained`` writes into its folder (timm's hub layout); a folder holding anything else is not replaced
 SAVED_FILES = ("config.json", "model.safetensors")
 
 
 def write_saved_folder(folder: str | Path, model: nn.Module, *, model_args: dict[str, Any],
                        config: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
-                       overwrite: bool = True) -> Path:
+                       overwrite: bool = True, check: Callable[[Path], None] | None = None) -> Path:
     """The one writer of every ``save_pretrained`` folder (ssogvit's models, ``ssogify``'d timm models): timm's
     ``save_for_hf`` (``config.json``, ``model.safetensors``), then the weights file sealed (``seal_file``) with
     ``config`` (default: what ``config.json`` states, its ``architecture`` as ``name`` and its ``model_args``) and the
     whole ``config.json`` as its sealed copy, so every loader checks both (docs/models.md, "Saved and exported
     weights").
     Written through ``replace_folder`` (``SAVED_FILES``); with ``overwrite=False`` a folder that holds a saved model
-    already is refused (``FileExistsError``)."""
+    already is refused (``FileExistsError``). ``check(stage)``, the loader's own validation, runs on the written
+    folder before it takes ``folder``'s place: a folder its loader would refuse is never written."""
     existing = [f for f in SAVED_FILES if (Path(folder) / f).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{folder} already holds {existing}; save with overwrite=True to replace them")
@@ -228,6 +258,8 @@ def write_saved_folder(folder: str | Path, model: nn.Module, *, model_args: dict
         document = json.loads((stage / "config.json").read_text())
         stated = {"name": document["architecture"], **document.get("model_args", {})}
         seal_file(stage / "model.safetensors", stated if config is None else config, copy=document)
+        if check is not None:
+            check(stage)
 
     return replace_folder(folder, write, owned=SAVED_FILES)
 
@@ -325,8 +357,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         if embed_dim % num_heads != 0:
             raise InputError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})",
                              argument="num_heads")
-        if img_size[0] < patch_size or img_size[1] < patch_size:
-            raise InputError(f"patch_size {patch_size} does not fit img_size {img_size}", argument="patch_size")
+        check_fit(img_size, patch_size, dynamic_img_pad=dynamic_img_pad)
         self._check_parameter_memory(embed_dim, depth, img_size, patch_size, in_chans, num_classes, mlp_ratio)
         if name is None:  # built directly: name a registered size; config's explicit widths override it
             size = next((k for k, v in SIZES.items() if v[:2] == (embed_dim, num_heads)), "base")
@@ -463,9 +494,13 @@ class VisionTransformerBase(TimmVisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """timm's: a new head for ``num_classes`` (0: none), optionally another pool (``"token"``, ``"avg"``, or
         ``""`` for none); the config follows, so ``create_model(**config)`` rebuilds the model."""
+        num_classes = NUM_CLASSES.check(num_classes, "num_classes")
         if global_pool is not None and global_pool not in (*GLOBAL_POOLS, ""):
-            raise ValueError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS} or ''")
+            raise InputError(f"unknown global_pool {global_pool!r}; expected one of {GLOBAL_POOLS} or ''",
+                             argument="global_pool")
         super().reset_classifier(num_classes, global_pool)
+        # timm records fc_norm for rebuilding its own ViT; ours always normalise before pooling (no such option)
+        getattr(self, "_model_args", {}).pop("fc_norm", None)
         self.config["num_classes"] = num_classes
         if global_pool:
             self.config["global_pool"] = global_pool
@@ -491,7 +526,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         """
         model_args = {k: v for k, v in self.config.items() if k != "name"}
         return write_saved_folder(save_directory, self, model_args=model_args, config=self.config,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, check=partial(_loadable, save_directory, self.config["name"]))
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -591,10 +626,13 @@ class VisionTransformerBase(TimmVisionTransformer):
         the new grid at ``img_size``; with ``rescale_field`` the SSoG centres ``mu``, widths ``sigma`` and the
         steering radius are multiplied by the grid ratio so each Gaussian covers the same image area.
         """
+        patch_size = PATCH_SIZE.check(patch_size, "patch_size")
+        check_fit(self.img_size, patch_size, dynamic_img_pad=self.patch_embed.dynamic_img_pad)
+        self._set_patch_size(patch_size, rescale_field)
+
+    def _set_patch_size(self, patch_size: int, rescale_field: bool) -> None:
         if patch_size == self.patch_size:
             return
-        if patch_size < 1 or patch_size > min(self.img_size):
-            raise ValueError(f"patch_size {patch_size} does not fit img_size {self.img_size}")
         old_grid = self.grid_size
         transfer.resize_patch_embed(self.patch_embed, patch_size)
         new_grid = self.grid_size
@@ -623,11 +661,16 @@ class VisionTransformerBase(TimmVisionTransformer):
         if patch_size is not None:
             if not isinstance(patch_size, int):
                 raise ValueError(f"ssogvit models have square patches: give patch_size as an int, got {patch_size!r}")
-            self.set_patch_size(patch_size)
+            patch_size = PATCH_SIZE.check(patch_size, "patch_size")
+        new_size = self.img_size if img_size is None else _image_size(img_size)
+        check_fit(new_size, self.patch_size if patch_size is None else patch_size,
+                  dynamic_img_pad=self.patch_embed.dynamic_img_pad)
+        if patch_size is not None:
+            self._set_patch_size(patch_size, False)
         if img_size is None:
             return
         old_grid = self.grid_size
-        img_size = _image_size(img_size)
+        img_size = new_size
         self.patch_embed.set_input_size(img_size=img_size)
         with torch.no_grad():
             pos = transfer.resize_pos_embed(self.pos_embed.detach(), old_grid, self.grid_size, num_prefix_tokens=1)

@@ -33,7 +33,7 @@ from ssogvit.errors import InputError
 from ssogvit.resources import format_bytes
 from ssogvit.layers import list_mixers, mixer_options
 
-from ._common import SIZES, VisionTransformerBase
+from ._common import SAVED_FOLDER_CHECK, SIZES, VisionTransformerBase
 from .dense import NUM_LEVELS, PyramidViT, SegmentationModel, pyramid_scales
 from .pretrained import carry_state_dict, target_model
 from .looped import LoopedViT
@@ -268,6 +268,9 @@ def _check_saved_folder(folder: Path, name: str) -> None:
                             f"{config.get('num_classes')!r}; the two must agree", argument="config.json")
     if weights.is_file():  # the sealed config is the one that holds: config.json must state the same model
         sealed_config(weights)
+
+
+SAVED_FOLDER_CHECK.append(_check_saved_folder)  # save_pretrained writes only what this check takes
 
 
 def _side_copy(file: str | Path) -> tuple[Any, Path] | None:

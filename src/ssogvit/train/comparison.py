@@ -20,13 +20,20 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PLATEAU_FRACTION", "PLATEAU_POINTS", "SPEED_TOP1", "Interval", "Gap", "interval", "paired_gap",
+__all__ = ["MAY_DIFFER", "comparison_differences", "PLATEAU_FRACTION", "PLATEAU_POINTS", "SPEED_TOP1", "Interval",
+           "Gap", "interval", "paired_gap",
            "plateau_gain", "reached_plateau", "epochs_to", "format_interval"]
 
 PLATEAU_FRACTION = 0.2   # the last fifth of the epochs ...
 PLATEAU_POINTS = 0.5     # ... adds less than half a point of validation top-1 to the best before it
 SPEED_TOP1 = 90.0        # learning speed: epochs to this validation top-1 (%)
 CONFIDENCE = 0.95
+#: the run-config keys in which the runs of one comparison may differ (docs/training.md, "How comparisons are made"):
+#: the mixer (its name and, by `comparison_differences`, its options), its head, its tuned settings, the seed, and the
+#: run's name and notes; where things are and how they are shown (`run_folder.IGNORED_KEYS`) too. Anything else (the
+#: data split, the budget, the width) would make a gap between different experiments.
+MAY_DIFFER = ("seed", "name", "meta", "model.mixer", "model.name", "model.kwargs.global_pool", "model.kwargs.fc_norm",
+              "optim.lr", "loss.jasmin.weight")
 
 
 def _t_quantile(df: int) -> float:
@@ -122,3 +129,14 @@ def reached_plateau(series: Mapping[int, float]) -> bool:
 def epochs_to(series: Mapping[int, float], threshold: float = SPEED_TOP1) -> float:
     """The first epoch (counted from 1) at which `series` reaches `threshold`; nan if it never does."""
     return next((float(e) for e in sorted(series) if series[e] >= threshold), math.nan)
+
+
+def comparison_differences(a: Mapping, b: Mapping, labels: tuple[str, str] = ("saved", "now")) -> list[str]:
+    """`"key: <labels[0]> A, <labels[1]> B"` for each key in which two runs' configs `a` and `b` differ that the
+    runs of one comparison must share (all but `MAY_DIFFER`, the mixers' options and `IGNORED_KEYS`)."""
+    from ssogvit.layers import list_mixers, mixer_options
+
+    from .run_folder import IGNORED_KEYS, config_diff
+
+    options = sorted({f"model.kwargs.{o}" for m in list_mixers() for o in mixer_options(m)})
+    return config_diff(a, b, ignored=(*MAY_DIFFER, *options, *IGNORED_KEYS), labels=labels)

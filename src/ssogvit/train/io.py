@@ -269,17 +269,34 @@ def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, o
 
 
 def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
-    """The data settings an export's run was trained with: the `data` of its `model.json`, sealed with its weights
-    (`export_safetensors`) and checked against the seal here (`read_sealed`); None for a checkpoint, or an export
-    without them (the run's `config.yaml` is then the only record)."""
+    """The data settings a model's run was trained with, as sealed with the model: an export's the `data` of its
+    `model.json` (`export_safetensors`, checked against the seal by `read_sealed`), a checkpoint's its `data`
+    hyper-parameter (under its digest). None for a file without them (the run's `config.yaml` is then the only
+    record). The run's `config.yaml` beside the file, when there is one, must hold the same data but for where the
+    data are and how they are loaded (`IGNORED_KEYS`, which a resume may change too, taken from it): one edited
+    otherwise is refused, naming the key (an edited split would score training images as validation)."""
     p = weights_path(path)
-    if p.suffix != ".safetensors" or not p.with_suffix(".json").is_file():
+    if p.suffix == ".safetensors" and p.with_suffix(".json").is_file():
+        read_sealed(p, ours=False)  # the digest, and every entry of the copy against the seal
+        data, where = _export_meta(p)[0].get("data"), p.with_suffix(".json")
+    elif p.suffix == ".ckpt":
+        data, where = (read_checkpoint(p, mmap=True).get("hyper_parameters") or {}).get("data"), p
+    else:
         return None
-    read_sealed(p, ours=False)  # the digest, and every entry of the copy against the seal
-    meta, _ = _export_meta(p)
-    data = meta.get("data")
     if data is not None and not isinstance(data, dict):
-        raise CheckpointError(f"{p.with_suffix('.json')}: its data config is not a mapping")
+        raise CheckpointError(f"{where}: its data config is not a mapping")
+    run_config = p.parent.parent / "config.yaml"
+    if data is not None and p.parent.name in ("checkpoints", "export") and run_config.is_file():
+        from .run_folder import IGNORED_KEYS, config_diff
+
+        document = read_document(run_config, "the run's config.yaml")
+        recorded = document.get("data") if isinstance(document, dict) else None
+        differ = config_diff({"data": data}, {"data": recorded}, labels=(p.name, "config.yaml"))
+        if differ:
+            raise CheckpointError(f"{run_config} was changed since {p} was written ({differ[0]}): the file's own "
+                                  f"record holds; restore the run's config.yaml")
+        moved = {k[len("data."):] for k in IGNORED_KEYS if k.startswith("data.")} & set(recorded or {})
+        data = {**data, **{k: recorded[k] for k in moved}}
     return data
 
 

@@ -77,12 +77,14 @@ class ClassificationModule(pl.LightningModule):
             a section or key left out takes its declared default (`ssogvit.train.settings`).
         transfer: optional `{"ckpt", "mode", "use_ema"}`: load a source checkpoint's weights (all but the head) and,
             with `mode="linear"`, train only the head (linear probe).
+        data: the run's `data` section, recorded with the checkpoint (under its digest): `eval` and `analyze` draw
+            the validation split from it (`ssogvit.train.io.sealed_data_config`), never from an edited config.yaml.
 
     The plain dicts are saved as the hyper-parameters; the module reads them as typed settings (`self.optim`,
     `self.sched`, `self.loss`, `self.mixup`, `self.ema_settings`), each value checked by its declared spec.
     """
 
-    def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None):
+    def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None, data: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model = build_model(model_config)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,7 @@ class RunLog:
     test: dict[str, float] = field(default_factory=dict)  # the final weights on the held-out test split, if any
     settings: dict[str, Any] = field(default_factory=dict)  # the hyper-parameters a sweep may vary (SWEPT)
     model: dict[str, Any] = field(default_factory=dict)  # the run config's model section, shared by one model's seeds
+    config: dict[str, Any] = field(default_factory=dict)  # the whole run config (config.yaml)
 
     @property
     def epochs_done(self) -> int:
@@ -138,7 +140,7 @@ def read_run(path: str | Path) -> RunLog:
                      seed=int(cfg.get("seed", 0)),
                      paper_top1=None if meta.get("paper_top1") is None else float(meta["paper_top1"]),
                      metric="val/miou" if (model.get("kwargs") or {}).get("task") == "segmentation" else "val/top1",
-                     settings={k: _dotted(cfg, k) for k in SWEPT}, model=dict(model))
+                     settings={k: _dotted(cfg, k) for k in SWEPT}, model=dict(model), config=dict(cfg))
         for m in rows:
             int(m["table"]), str(m["row"])
     except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -275,7 +277,10 @@ _SWEPT_MODEL_KEYS = tuple(k[len("model."):] for k in SWEPT if k.startswith("mode
 
 def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]:
     """`{(family, head, mixer): {seed: run}}`, refused where one model has two runs of one seed (a sweep's runs are
-    reported apart, in sweep.md)."""
+    reported apart, in sweep.md), and where two runs differ in more than a comparison may (`comparison.MAY_DIFFER`:
+    another data split or budget would pair scores of different experiments)."""
+    from .comparison import comparison_differences
+
     groups: dict[tuple[str, str, str], dict[int, RunLog]] = {}
     for run in runs:
         seeds = groups.setdefault((run.family, run.head, run.mixer), {})
@@ -291,6 +296,11 @@ def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]
             raise ReportError(f"{other.path} and {run.path}: two different models of {run.family} {run.mixer} "
                               f"({run.head} head): model.{differ[0]}; a comparison averages the seeds of one model: "
                               "report them apart")
+        differ = comparison_differences(runs[0].config, run.config, labels=(runs[0].path.name, run.path.name))
+        if differ:
+            raise ReportError(f"{runs[0].path} and {run.path} cannot be compared: {differ[0]}; the runs of a "
+                              "comparison differ only in the mixer, its head and its tuned settings (docs/training.md,"
+                              " \"How comparisons are made\"): report them apart")
         seeds[run.seed] = run
     order = {"vit": 0, "looped": 1, "ode": 2}
     return dict(sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1] != "avg",
@@ -493,6 +503,11 @@ def main(argv: list[str]) -> int:
     return report_errors("ssogvit report", run)
 
 
+#: the names of every file a report writes (`_report`): a folder holding one this report does not write is refused
+REPORT_FILE = re.compile(r"(table\d+|segmentation|runs|sweep|reproduction)\.md"
+                         r"|(segmentation|reproduction_curves|curves)\.png")
+
+
 def _report(args: argparse.Namespace) -> list[Path]:
     from .config import experiment_rows
 
@@ -524,6 +539,11 @@ def _report(args: argparse.Namespace) -> list[Path]:
                                                       heads_markdown(twins)])
         outputs[out / "reproduction_curves.png"] = twins
     outputs[out / "curves.png"] = None
+    stale = sorted(p.name for p in out.iterdir() if REPORT_FILE.fullmatch(p.name) and p not in outputs
+                   ) if out.is_dir() else []
+    if stale:  # replaced or not, they would stand beside this report as if part of it
+        raise ReportError(f"{out} holds {', '.join(stale)} of an earlier report, which this one does not write: the "
+                          "folder would mix two reports; move them away or choose another --out", argument="--out")
     existing = [str(p) for p in outputs if p.exists()]
     if existing and not args.overwrite:
         raise ReportError(f"{', '.join(existing)} already exist; pass {OVERWRITE_FLAG} to replace them or choose "

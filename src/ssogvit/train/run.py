@@ -179,7 +179,8 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
     if task == "segmentation":
         recipe["ignore_index"] = int(dm.ignore_index)
     try:
-        module = (SegmentationModule if task == "segmentation" else ClassificationModule)(model_config, recipe, transfer)
+        module = (SegmentationModule if task == "segmentation" else ClassificationModule)(
+            model_config, recipe, transfer, OmegaConf.to_container(cfg.data, resolve=True))
     except (ValueError, TypeError, RuntimeError) as err:  # an option the model does not take, a value it refuses
         raise refuse("the model cannot be built from this config", err) from None
     try:  # after the model, as Lightning does it: a dataset drawing random numbers leaves the initial weights alone

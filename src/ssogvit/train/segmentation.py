@@ -40,11 +40,11 @@ class SegmentationModule(ClassificationModule):
     Args:
         model_config: the model's `config` dict.
         recipe: as `ClassificationModule`'s, plus `ignore_index` (the data's).
-        transfer: as `ClassificationModule`'s.
+        transfer, data: as `ClassificationModule`'s.
     """
 
-    def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None):
-        super().__init__(model_config, recipe, transfer)
+    def __init__(self, model_config: dict, recipe: dict, transfer: dict | None = None, data: dict | None = None):
+        super().__init__(model_config, recipe, transfer, data)
         if self.mixup_fn is not None:
             raise ValueError("mixup / cutmix mix images, not masks: set mixup.mixup_alpha=0 and mixup.cutmix_alpha=0")
         if self.jasmin_weight > 0:

@@ -201,6 +201,13 @@ class TransferSettings:
     use_ema: bool = setting(False, Flag(), "take the source's EMA weights")
 
 
+def _transfer_without_source(v: Callable[[str], Any]) -> bool:
+    """Whether a `transfer` option other than `ckpt` is set off its default while `transfer.ckpt` is not: an option
+    of a source's weights with no source would be recorded but not obeyed."""
+    return not v("transfer.ckpt") and any(v(f"transfer.{f.name}") not in (None, f.default)
+                                          for f in fields(TransferSettings) if f.name != "ckpt")
+
+
 @dataclass
 class DataSettings:
     """`data`: the keys every dataset's YAML (`conf/data/<name>.yaml`) gives; the rest of `data` are the options of
@@ -306,6 +313,9 @@ CONSTRAINTS: tuple[tuple[Callable[[Callable[[str], Any]], bool], str], ...] = (
      "set data.num_classes (the model takes it from there)"),
     (lambda v: str(v("ckpt.monitor")).startswith("val_ema/") and not v("ema.enabled"),
      "ckpt.monitor=val_ema/... needs ema.enabled=true"),
+    (_transfer_without_source,
+     "transfer.mode / transfer.use_ema without transfer.ckpt: they apply to a source checkpoint's weights, and this "
+     "run trains from scratch; give transfer.ckpt=<checkpoint or export> (or `ssogvit transfer`), or leave them out"),
 )
 
 
