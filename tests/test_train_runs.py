@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 import cli_process
 
 from ssogvit.cli import main as cli_main
+from ssogvit.models.sealed import UnverifiedFileWarning
 from ssogvit.train import load_model
 from ssogvit.train.config import compose, quote_override
 from ssogvit.outputs import is_temp_name, temp_path
@@ -498,7 +499,8 @@ BAD_INPUTS = [
     (["eval", "--ckpt", "x.ckpt", "foo=1"], ["unknown argument 'foo=1'"]),
     (["eval", "--ckpt", "x.ckpt", "--img_size", "3"], ["unknown argument '--img_size'"]),
     (["transfer", "--ckpt", "/nonexistent/x.ckpt", "data=synthetic"], ["does not exist"]),
-    # an override of what an option of transfer sets contradicts it (the run used to follow one and be named by the other)
+    # an override of what an option of transfer sets contradicts it (the run used to follow one and be named by
+    # the other)
     (["transfer", "--ckpt", "a.ckpt", "--mode", "linear", "transfer.mode=finetune"], ["contradicts --mode"]),
     (["transfer", "--ckpt", "a.ckpt", "+transfer.ckpt=b.ckpt"], ["contradicts --ckpt", "give it there, once"]),
     (["main", "--mixers", "ssog,foo"], ["unknown mixer"]),
@@ -517,7 +519,8 @@ BAD_INPUTS += [([*SYN, override], [needle]) for override, needle in [
     ("ckpt.keep=-5", "ckpt.keep"), ("ckpt.every_n_train_steps=-1", "every_n_train_steps"),
     ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches"), ("trainer.gradient_clip_val=-1", "clip"),
     ("trainer.devices=0", "devices=0"), ("trainer.precision=foo", "Precision 'foo'"),
-    ("transfer.mode=bogus", "transfer.mode"), ("model.kwargs.patch_size=5", "patch_size 5 does not divide img_size (16, 16)"),
+    ("transfer.mode=bogus", "transfer.mode"),
+    ("model.kwargs.patch_size=5", "patch_size 5 does not divide img_size (16, 16)"),
     ("model.kwargs.embed_dim=0", "embed_dim=0"), ("model.kwargs.num_heads=3", "divisible by num_heads"),
     ("model.kwargs.depth=0", "depth"), ("model.size=huge", "unknown size"), ("model.mixer=foo", "unknown mixer"),
     ("output_dir= ", "output_dir is empty"),
@@ -573,6 +576,13 @@ def test_bad_files_are_short_errors(finished, tmp_path, capsys):
     torch.save({**body, DIGEST_KEY: content_digest(body)}, tmp_path / "older.ckpt")
     assert cli_main(["eval", "--ckpt", str(tmp_path / "older.ckpt"), "--device", "cpu"]) == 2  # never a guessed dataset
     assert_clear_error(2, capsys.readouterr().err, "no data config beside", "data=")
+    older_run = tmp_path / "older_run"  # the same in its run folder: the run's config.yaml, named as unverified
+    (older_run / "checkpoints").mkdir(parents=True)
+    (older_run / "config.yaml").write_bytes((finished / "config.yaml").read_bytes())
+    (older_run / "checkpoints" / "last.ckpt").write_bytes((tmp_path / "older.ckpt").read_bytes())
+    with pytest.warns(UnverifiedFileWarning, match="written before ssogvit sealed a run's data settings"):
+        assert cli_main(["eval", "--ckpt", str(older_run / "checkpoints" / "last.ckpt"), "--device", "cpu"]) == 0
+    capsys.readouterr()
     for argv in (["--img-size", "0"], ["--patch-size", "-2"], ["--patch-size", "5"]):
         try:
             code = cli_main(["eval", "--ckpt", str(finished / "checkpoints" / "best.ckpt"), "--device", "cpu", *argv])

@@ -285,6 +285,12 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
         return None
     if data is not None and not isinstance(data, dict):
         raise CheckpointError(f"{where}: its data config is not a mapping")
+    if (data is None and p.suffix == ".ckpt") or (data is not None and p.suffix == ".safetensors"
+                                                  and not _copy_sealed(p)):
+        warnings.warn(UnverifiedFileWarning(
+            f"{p} was written before ssogvit sealed a run's data settings with its weights: the data settings "
+            f"(split, image size, normalisation) are read from {where if data is not None else 'the run config'}, "
+            "unverified"), stacklevel=2)
     run_config = p.parent.parent / "config.yaml"
     if data is not None and p.parent.name in ("checkpoints", "export") and run_config.is_file():
         from .run_folder import IGNORED_KEYS, config_diff
@@ -298,6 +304,14 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
         moved = {k[len("data."):] for k in IGNORED_KEYS if k.startswith("data.")} & set(recorded or {})
         data = {**data, **{k: recorded[k] for k in moved}}
     return data
+
+
+def _copy_sealed(path: Path) -> bool:
+    """Whether an export's seal holds its whole readable copy (`COPY_KEY`), so the copy's `data` is checked too."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return COPY_KEY in (f.metadata() or {})
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
