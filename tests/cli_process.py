@@ -19,10 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: imported once by the server: what every command needs before it starts its own work
-PRELOAD = ["torch", "timm", "ssogvit", "ssogvit.cli", "ssogvit.train.cli", "ssogvit.train.main_job",
-           "ssogvit.train.report", "ssogvit.export", "ssogvit.convert.cli", "ssogvit.bench.cli",
-           "ssogvit.analysis.cli", "lightning.pytorch", "hydra"]
+from ssogvit.cli import COMMANDS
+
+#: imported once by the server: what every command needs before it starts its own work (each command's module, read
+#: from the console script's own table)
+PRELOAD = ["torch", "timm", "lightning.pytorch", "hydra", "ssogvit.cli",
+           *dict.fromkeys(module for module, *_ in COMMANDS.values())]
 
 _context = None
 

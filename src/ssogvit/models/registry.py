@@ -248,9 +248,10 @@ def from_pretrained(save_directory: str | Path, **kwargs: Any) -> VisionTransfor
     return timm.create_model(f"local-dir:{folder}", pretrained=True, **kwargs)
 
 
-def _check_saved_folder(folder: Path, name: str) -> None:
+def _check_saved_folder(folder: Path, name: str) -> dict[str, Any] | None:
     """Refuse a saved folder whose ``model_args`` are not a model ``name`` within limits, or whose weights file is
-    larger than that model's weights could be (``DocumentError``)."""
+    larger than that model's weights could be (``DocumentError``); the config sealed in its weights file
+    (``sealed_config``, checked against ``config.json``), None without one."""
     document = read_document(folder / "config.json", "config.json")
     args = document.get("model_args", {}) if isinstance(document, dict) else None
     if not isinstance(args, dict):
@@ -266,8 +267,8 @@ def _check_saved_folder(folder: Path, name: str) -> None:
     if top is not None and top != config.get("num_classes", top):
         raise DocumentError(f"{folder / 'config.json'}: num_classes {top!r} differs from model_args' "
                             f"{config.get('num_classes')!r}; the two must agree", argument="config.json")
-    if weights.is_file():  # the sealed config is the one that holds: config.json must state the same model
-        sealed_config(weights)
+    # the sealed config is the one that holds: config.json must state the same model
+    return sealed_config(weights) if weights.is_file() else None
 
 
 SAVED_FOLDER_CHECK.append(_check_saved_folder)  # save_pretrained writes only what this check takes
@@ -290,9 +291,7 @@ def sealed_config(file: str | Path, names: Mapping[str, str] | None = None) -> d
     `config.json` may name, mapped to the config's `name` (default: ssogvit's models)."""
     from safetensors.torch import load_file
 
-    file = Path(file)
-    if file.is_dir():
-        file = file / "model.safetensors"
+    file = weights_path(file)
     side = _side_copy(file)
     with safe_open(str(file), framework="pt") as f:
         header = dict(f.metadata() or {})
@@ -388,13 +387,13 @@ def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any,
                          "pretrained_cfg_overlay=dict(file='.../model.safetensors')")
     if cfg.source == "local-dir" and cfg.file:  # a saved folder: its config.json came from disk
         _check_saved_folder(Path(cfg.file), name)
-    elif cfg.file:  # a file overlay: a save_pretrained folder stands for its weights file (as in read_weights)
+    saved, sealed_checked = None, False
+    if cfg.file and cfg.source != "local-dir":  # a file overlay: a save_pretrained folder stands for its weights
         file = _weights_file(cfg.file)
-        if file != Path(cfg.file).expanduser():
-            _check_saved_folder(file.parent, name)
+        if file != Path(cfg.file).expanduser():  # the folder's checks verify the seal once
+            saved, sealed_checked = _check_saved_folder(file.parent, name), True
         cfg = replace(cfg, file=str(file))
-    saved = None
-    if cfg.file and str(cfg.file).endswith(".safetensors"):
+    if not sealed_checked and cfg.file and str(cfg.file).endswith(".safetensors"):
         saved = sealed_config(cfg.file)
     if saved is not None and saved.get("name") != name:
         raise ValueError(f"{cfg.file} holds weights of {saved.get('name')!r}, not of {name!r}")
