@@ -55,6 +55,21 @@ def test_digits_datamodule_upsamples_and_normalises():
     assert xt.shape == (8, 1, 32, 32)
 
 
+@pytest.mark.parametrize("jitter", [0.0, 0, (0.0, 0.0, 0.0), [0, 0, 0, 0]])
+def test_a_zero_color_jitter_adds_no_transform(jitter):
+    """timm adds a ColorJitter for a jitter of 0 that changes nothing and costs half of a small image's pipeline."""
+    from omegaconf import OmegaConf
+    from torchvision.transforms import ColorJitter
+
+    from ssogvit.data._common import build_transform
+
+    for aug in ({**GRAY, "color_jitter": jitter}, OmegaConf.create({**GRAY, "color_jitter": jitter})):
+        names = [type(t) for t in build_transform(8, 1, aug, is_training=True).transforms]
+        assert ColorJitter not in names and len(names) == 3  # crop, to tensor, normalise
+    kept = build_transform(8, 1, {**GRAY, "color_jitter": 0.2}, is_training=True).transforms
+    assert any(isinstance(t, ColorJitter) for t in kept)
+
+
 def test_digits_rejects_a_wrong_class_count():
     with pytest.raises(ValueError, match="num_classes"):
         create_datamodule("digits", img_size=32, num_classes=100)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
 
 import lightning.pytorch as pl
@@ -62,6 +62,9 @@ def build_transform(img_size: int, in_chans: int, aug: Mapping[str, Any] | None,
         raise ValueError(f"mean/std have {len(mean)}/{len(std)} entries but in_chans={in_chans}")
     scale, ratio = options.pop("scale"), options.pop("ratio")
     crop_pct = options.pop("crop_pct")
+    jitter = options["color_jitter"]
+    if jitter is not None and not any(float(j) for j in (jitter if isinstance(jitter, Sequence) else [jitter])):
+        options["color_jitter"] = None  # timm adds a ColorJitter that changes nothing for 0 (and draws from the RNG)
     if not is_training:
         return create_transform(
             (in_chans, img_size, img_size), is_training=False, interpolation=options["interpolation"],
