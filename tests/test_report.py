@@ -204,6 +204,19 @@ def test_a_comparison_refuses_runs_of_another_data_split_or_budget(tmp_path):
             f"{value!r}; the runs of a comparison differ only in the mixer, its head and its tuned settings "
             "(docs/training.md, \"How comparisons are made\"): report them apart"], p.stderr
         assert not (tmp_path / f"out-{key}").exists()
+    # one comparison per family: a looped twin reports beside the discrete ones (the families differ in the model
+    # only), and one of another data split is refused as the discrete twin was
+    looped = tmp_path / "looped_mha"
+    train(compose(["experiment=digits8_looped_mha", *short, f"output_dir={looped}"]), verbose=False)
+    p = ssogvit("report", paper, twin, looped, "--out", tmp_path / "families")
+    assert p.returncode == 0, p.stderr
+    other = tmp_path / "looped_split"
+    shutil.copytree(looped, other)
+    config = yaml.safe_load((other / "config.yaml").read_text())
+    config["data"]["split_seed"] += 1
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    p = ssogvit("report", paper, twin, other, "--out", tmp_path / "families-split")
+    assert p.returncode == 2 and "cannot be compared: data.split_seed" in p.stderr, p.stderr
 
 
 def test_a_report_never_stands_beside_an_earlier_reports_files(runs, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["read_epoch_metrics", "plot_training_curves", "CURVES"]
@@ -30,7 +30,8 @@ def read_epoch_metrics(run_dir: str | Path) -> dict[str, dict[int, float]]:
 
 
 def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], path: str | Path, *,
-                         title: str | None = None, overwrite: bool = False) -> Path | None:
+                         title: str | None = None, overwrite: bool = False,
+                         row_of: Callable[[str], str] | None = None) -> Path | None:
     """One PNG with a panel per `CURVES` metric that some run logged and a line per label, epochs from 1.
 
     Args:
@@ -39,6 +40,8 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
         path: the PNG to write.
         title: the figure's title.
         overwrite: replace `path` if it exists (otherwise an existing file is refused, `ssogvit.outputs`).
+        row_of: label -> the row of panels its line goes in (e.g. a model family), each row its own legend beside
+            it; None: one row.
 
     Returns:
         The path, or None when no run has a CSV log with these metrics to draw from (e.g. `logger=[]`).
@@ -47,7 +50,6 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     folders = {label: [f] if isinstance(f, (str, Path)) else list(f) for label, f in runs.items()}
     metrics = {label: [read_epoch_metrics(f) for f in group] for label, group in folders.items()}
@@ -56,8 +58,34 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
               if any(math.isfinite(v) for found in logged for v in found.get(key, {}).values())]
     if not curves:
         return None
-    fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 3.8), constrained_layout=True, squeeze=False)
-    axes = axes[0]
+    rows: dict[str, list[str]] = {}
+    for label in metrics:
+        rows.setdefault(row_of(label) if row_of else "", []).append(label)
+    fig, grid = plt.subplots(len(rows), len(curves), figsize=(4.6 * len(curves) + (2.2 if row_of else 0),
+                                                              3.8 * len(rows)), constrained_layout=True, squeeze=False)
+    for axes, (row, labels) in zip(grid, rows.items()):
+        _plot_row(axes, curves, {label: metrics[label] for label in labels}, row)
+        if row_of:
+            axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        else:
+            axes[-1].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    from ssogvit.outputs import atomic_write
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the one writer (ssogvit.outputs): a kill leaves the old file or nothing
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=overwrite)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _plot_row(axes, curves, metrics: Mapping[str, list[dict[str, dict[int, float]]]], row: str) -> None:
+    """One panel per curve on `axes`: each label's mean over its runs, with a lowest-to-highest band."""
+    from matplotlib.ticker import MaxNLocator
+
     for ax, (key, name) in zip(axes, curves):
         for label, group in metrics.items():
             series = [{e: v for e, v in found.get(key, {}).items() if math.isfinite(v)} for found in group]
@@ -70,19 +98,7 @@ def plot_training_curves(runs: Mapping[str, str | Path | Sequence[str | Path]], 
             if len(series) > 1:
                 ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
                                 alpha=0.15, linewidth=0)
-        ax.set_title(name)
+        ax.set_title(f"{row}: {name}" if row else name)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    from ssogvit.outputs import atomic_write
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # the one writer (ssogvit.outputs): a kill leaves the old file or nothing
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"), overwrite=overwrite)
-    finally:
-        plt.close(fig)
-    return path

@@ -296,9 +296,16 @@ def _models(runs: list[RunLog]) -> dict[tuple[str, str, str], dict[int, RunLog]]
             raise ReportError(f"{other.path} and {run.path}: two different models of {run.family} {run.mixer} "
                               f"({run.head} head): model.{differ[0]}; a comparison averages the seeds of one model: "
                               "report them apart")
-        differ = comparison_differences(runs[0].config, run.config, labels=(runs[0].path.name, run.path.name))
+        # one comparison per family (its twins differ in the mixer only); the families share everything but the model
+        first = next(r for r in runs if r.family == run.family)
+        differ = comparison_differences(first.config, run.config, labels=(first.path.name, run.path.name))
+        if not differ:
+            first = runs[0]
+            differ = [d for d in comparison_differences(first.config, run.config, labels=(first.path.name,
+                                                                                         run.path.name))
+                      if not d.startswith("model.")]
         if differ:
-            raise ReportError(f"{runs[0].path} and {run.path} cannot be compared: {differ[0]}; the runs of a "
+            raise ReportError(f"{first.path} and {run.path} cannot be compared: {differ[0]}; the runs of a "
                               "comparison differ only in the mixer, its head and its tuned settings (docs/training.md,"
                               " \"How comparisons are made\"): report them apart")
         seeds[run.seed] = run
@@ -569,4 +576,4 @@ def _plot_twin_curves(runs: list[RunLog], path: Path) -> None:
     for run in sorted(runs, key=lambda r: (r.family, GAP_MIXERS.index(r.mixer) if r.mixer in GAP_MIXERS else 9)):
         groups.setdefault(f"{run.family} {run.mixer} ({run.head})", []).append(run.path)
     plot_training_curves(groups, path, title="CPU-sized twins of the paper's runs: mean over seeds (band: range)",
-                         overwrite=True)  # a fresh staging folder: `_report` has refused existing files unless asked
+                         overwrite=True, row_of=lambda label: label.split()[0])  # a fresh staging folder: `_report` has refused existing files unless asked
