@@ -102,8 +102,7 @@ def _contract_check():
 class _Contract(nn.Module):
     """The model behind its input contract, checked inside the exported graph (docs/models.md, Deployment).
 
-    The eager model refuses a batch of 0, another channel count and a side the patch does not divide (unless it pads
-    it, ``dynamic_img_pad=True``: then the graph takes any side and pads as the model does). An exported
+    The eager model refuses a batch of 0, another channel count and a side the patch does not divide. An exported
     graph keeps none of that by itself: the dynamo ONNX exporter drops ``torch._check``-style asserts, and onnxruntime
     then crops an 18x16 image to 16x16 at patch 4 and dies of SIGFPE on a batch of 0. So the graph counts the
     violations from the input's shape as a tensor (which no exporter folds away) and indexes a one-element zero
@@ -115,15 +114,13 @@ class _Contract(nn.Module):
     def __init__(self, model: nn.Module, size: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.model, self.size = model, size
-        self.channels, self.patch, self.pads = _in_chans(model), _patch_size(model), _pads(model)
+        self.channels, self.patch = _in_chans(model), _patch_size(model)
 
     def forward(self, images: Tensor) -> Tensor:
         if self.size is not None:
             images = _contract_check()(images, self.channels, self.size[0], self.size[1])
         shape = torch.stack([torch.scalar_tensor(d, dtype=torch.long) for d in images.shape])
-        violations = (shape[0] == 0).long() + (shape[1] != self.channels).long()
-        if not self.pads:
-            violations = violations + (shape[2:] % self.patch != 0).sum()
+        violations = (shape[0] == 0).long() + (shape[1] != self.channels).long() + (shape[2:] % self.patch != 0).sum()
         return self.model(images + images.new_zeros(1)[violations])
 
 
@@ -170,6 +167,11 @@ def export_model(
                          "or 'euler', the same weights)")
     dims = dynamic_dims(format, dynamo) if dynamic else ()
     patch = _patch_size(model)
+    if "size" in dims and _pads(model):  # refused here, not by the exporter's guards on the padding arithmetic
+        raise ValueError(f"this model pads a side the patch ({patch}) does not divide (dynamic_img_pad=True), which "
+                         "a file of any image size cannot hold; export it at its traced size (--static, or "
+                         "dynamic=False), or pad the images to a multiple of the patch and export the model built "
+                         "without dynamic_img_pad (the same weights)")
     b, _, h, w = example.shape
     if "batch" in dims and b < 2:
         raise ValueError(f"a dynamic batch is traced at batch 2 or more (an exporter fixes a dimension of size 1), "
@@ -180,10 +182,7 @@ def export_model(
     path = Path(path)
     model.eval()
     batch = {0: torch.export.Dim("batch")} if "batch" in dims else {}
-    if _pads(model):  # any side: the graph pads it as the model does
-        size = {2: torch.export.Dim("height", min=2), 3: torch.export.Dim("width", min=2)} if "size" in dims else {}
-    else:
-        size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
+    size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about constants: the sizes they fix are the ones above
         checked = _Contract(model, (h, w) if format == "torchscript" else None)
@@ -229,17 +228,14 @@ def parity(model: nn.Module, path: str | Path, x: Tensor, *, format: str) -> flo
     return float((got.to(expected) - expected).abs().max())
 
 
-def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int, *, pads: bool = False
-                 ) -> tuple[int, ...] | None:
+def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> tuple[int, ...] | None:
     """Another input shape a file with the dynamic ``dims`` must take: batch 1 (3 after a traced batch of 1) and,
-    with a dynamic size, one patch more in height and two in width (a rectangle; for a model that pads, ``pads``,
-    half a patch more in height, which it must pad); ``None`` with no dynamic dim."""
+    with a dynamic size, one patch more in height and two in width (a rectangle); ``None`` with no dynamic dim."""
     b, c, h, w = shape
     if not dims:
         return None
     batch = (1 if b != 1 else 3) if "batch" in dims else b
-    grow = max(1, patch // 2) if pads and patch > 1 else patch
-    return (batch, c, h + grow, w + 2 * patch) if "size" in dims else (batch, c, h, w)
+    return (batch, c, h + patch, w + 2 * patch) if "size" in dims else (batch, c, h, w)
 
 
 def refused_shapes(shape: tuple[int, ...], patch: int, *, pads: bool = False) -> list[tuple[int, ...]]:
@@ -279,9 +275,9 @@ def _first_line(err: BaseException) -> str:
     return lines[-1] if "TorchScript interpreter" in lines[0] else lines[0]
 
 
-def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo: bool, pads: bool) -> str:
+def _describe(dims: tuple[str, ...], shape: tuple[int, ...], format: str, dynamo: bool) -> str:
     if dims == ("batch", "size"):
-        return "any batch and image size" + (" (padded as the model pads)" if pads else " (a multiple of the patch size)")
+        return "any batch and image size (a multiple of the patch size)"
     fixed = f"{shape[2]}x{shape[3]} images"
     if dims == ("batch",):
         why = ("the TorchScript-based ONNX exporter cannot export the position embedding's resize" if format == "onnx"
@@ -336,13 +332,13 @@ def _export(args: argparse.Namespace) -> int:
     model = load_model(ckpt).float().eval()
     h, w = args.img_size or model.img_size
     patch, pads = _patch_size(model), _pads(model)
-    if (h % patch or w % patch) and not pads:
+    if h % patch or w % patch:
         raise UsageError(f"--img-size {h} {w} is not a multiple of the patch size {patch}")
     if "size" in dims and min(h, w) < 2 * patch:
         raise UsageError(f"a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
                          f"{h}x{w}; pass --img-size or --static")
     shape = (args.batch, model.in_chans, h, w)
-    checks = [s for s in (shape, second_shape(shape, dims, patch, pads=pads)) if s is not None]
+    checks = [s for s in (shape, second_shape(shape, dims, patch)) if s is not None]
     for b, _, sh, sw in checks:
         check_memory(model.forward_bytes(b, (sh, sw)), f"a forward of {b} images of {sh}x{sw} px", "--batch")
     if args.format == "onnx" and 4 * sum(p.numel() for p in model.parameters()) >= 2**31:
@@ -360,7 +356,7 @@ def _export(args: argparse.Namespace) -> int:
             first = _first_line(err)
             raise UsageError(f"{args.format} could not export this model ({type(err).__name__}: {first}); --debug "
                              "shows the traceback") from None
-        print(f"exported {args.format}: it takes {_describe(dims, shape, args.format, dynamo, pads)}")
+        print(f"exported {args.format}: it takes {_describe(dims, shape, args.format, dynamo)}")
         for i, check in enumerate(checks):
             x = torch.randn(check, generator=torch.Generator().manual_seed(1 + i))
             try:
@@ -374,7 +370,8 @@ def _export(args: argparse.Namespace) -> int:
             if not measured[-1] <= args.tolerance:
                 raise UsageError(f"parity {measured[-1]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
                                  f"exported file does not compute what the model computes, so {out} was not written")
-        for i, bad in enumerate(refused_shapes(shape, patch, pads=pads)):  # what the eager model refuses, the file must refuse
+        # what the eager model refuses, the file must refuse
+        for i, bad in enumerate(refused_shapes(shape, patch, pads=pads)):
             why = refusal(model, tmp, torch.randn(bad, generator=torch.Generator().manual_seed(100 + i)),
                           format=args.format)
             if why is None:
