@@ -15,6 +15,7 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -132,15 +133,31 @@ def _run_model_config(cfg: DictConfig, dm) -> dict[str, Any]:
         if config.get("num_classes") is None:  # data.num_classes null (imagefolder): the classes the data have
             config["num_classes"] = int(dm.num_classes)
         return config
-    model_overrides = [o for o in task_overrides() if split_override(o)[0].split(".")[0] == "model"]
-    if model_overrides:  # the model is the source's: an override would be recorded in config.yaml and ignored
-        raise ConfigError(f"{model_overrides[0]!r} has no effect on a transfer: the model is the source's architecture "
-                          f"(transfer.ckpt={src}) with a new head for the data's classes; leave out model overrides")
     config = read_model_config(src)  # the source architecture, with a new head for the target classes
+    _refuse_contradicting_model(cfg, config, src)
     config["num_classes"] = int(dm.num_classes)
     if int(config.get("in_chans", 3)) != int(dm.in_chans):
         raise ConfigError(f"source model takes {config.get('in_chans', 3)} channels, the target data has {dm.in_chans}")
     return config
+
+
+def _refuse_contradicting_model(cfg: DictConfig, source: dict[str, Any], src: Any) -> None:
+    """A transfer builds the source's architecture (``source``): a ``model.*`` override that says otherwise would be
+    recorded in config.yaml and ignored, so it is refused, naming the key and both values (the head's class count
+    is the data's, and a new one)."""
+    wanted = model_config_from(cfg)
+    for override in task_overrides():
+        key = split_override(override)[0]
+        if key.split(".")[0] != "model":
+            continue
+        name = key.split(".", 2)[2] if key.startswith("model.kwargs.") else "name"
+        if name == "num_classes" or name not in wanted:
+            continue
+        given, saved = wanted[name], source.get(name, None if name != "name" else source.get("name"))
+        if json.dumps(given, default=str) != json.dumps(saved, default=str):
+            raise ConfigError(f"{override!r} contradicts the transfer's source (transfer.ckpt={src}), built with "
+                              f"{'model' if name == 'name' else name}={saved!r}: a transfer trains the source's "
+                              "architecture with a new head; leave the override out")
 
 
 def _is_global_zero() -> bool:
