@@ -101,7 +101,8 @@ def _model_cases() -> list[Case]:
            ("mlp_ratio=float('inf')", "range"), ("mlp_ratio='4'", "type"), ("global_pool='max'", "unknown"),
            ("global_pool=1", "type"), ("num_atoms=0", "range"), ("num_atoms=2.5", "type"), ("radius=0", "range"),
            ("radius=-1", "range"), ("radius=float('nan')", "range"), ("sigma_min=0", "range"),
-           ("impl='fft'", "unknown"), ("head_chunk=0", "range"), ("gate_init='x'", "type"), ("bogus=1", "unknown")]
+           ("impl='fft'", "unknown"), ("head_chunk=0", "range"), ("gate_init='x'", "ignored"), ("bogus=1", "unknown"),
+           ("radius=2", "ignored"), ("gate_init=-2.0", "ignored")]  # radius, gate_init: steering options
     cases = [_api("create_model", kind, arg.split("=")[0], cm.format(arg)) for arg, kind in bad]
     cases += [
         _api("create_model", "unknown", "vit-huge-ssog", "create_model('vit-huge-ssog')"),
@@ -109,6 +110,7 @@ def _model_cases() -> list[Case]:
         _api("create_model", "huge", "embed_dim", "create_model('vit-base-ssog', embed_dim=8192, num_heads=8, "
              "depth=512)"),
         _api("create_model", "unknown", "steer", "create_model('vit-tiny-ssog-steered', **dict(TINY, steer='tau'))"),
+        _api("create_model", "type", "gate_init", "create_model('vit-tiny-ssog-steered', **dict(TINY, gate_init='x'))"),
         _api("create_model", "range", "global_blocks",
              "create_model('vit-tiny-window', **dict(TINY, global_blocks=(9,)))"),
         _api("create_model", "type", "global_blocks", "create_model('vit-tiny-window', **dict(TINY, global_blocks=1))"),
@@ -123,7 +125,8 @@ def _model_cases() -> list[Case]:
     cases.append(_api("create_model", "unknown", "detection", "create_model('vit-tiny-ssog', task='detection')"))
     ode = "create_model('ode-tiny-ssog', **dict(TINY, {}))"
     for arg, kind in [("solver='bogus'", "unknown"), ("rtol=0", "range"), ("atol=-1", "range"), ("scale=0", "range"),
-                      ("adjoint='yes'", "type"), ("norm=5", "type"), ("drop_path_rate=0.1", "range")]:
+                      ("adjoint='yes'", "type"), ("norm=5", "type"), ("drop_path_rate=0.1", "range"),
+                      ("rtol=0.01", "ignored"), ("atol=0.001", "ignored")]:  # tolerances of adaptive solvers only
         cases.append(_api("ode family", kind, arg.split("=")[0], ode.format(arg)))
     return cases
 
@@ -173,7 +176,8 @@ def _mixer_cases() -> list[Case]:
         ("mixer='mha'", "unknown", "mixer"), ("mixer='foo'", "unknown", "mixer"), ("copy_weights='yes'", "type",
                                                                                    "copy_weights"),
         ("num_atoms=0", "range", "num_atoms"), ("radius=-1", "range", "radius"), ("bias=False", "unknown", "bias"),
-        ("steer='mu'", "unknown", "steer"), ("gate_init=float('nan')", "range", "gate_init"),
+        ("steer='mu'", "unknown", "steer"), ("gate_init=float('nan')", "ignored", "gate_init"),
+        ("mixer='ssog-steered', gate_init=float('nan')", "range", "gate_init"), ("radius=2", "ignored", "radius"),
     ]]
     cases.append(_api("ssogify", "type", "ssogify", "ssogify(create_mixer('mha', 16, 2))"))
     return cases
@@ -203,6 +207,10 @@ def _loader_cases() -> list[Case]:
     ]]
     cases.append(_api("timm file overlay", "ignored", "depth", "timm.create_model('ssogvit_vit_tiny_ssog', "
                       "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), depth=5)"))
+    cases.append(_api("timm file overlay", "ignored", "pretrained", "timm.create_model('ssogvit_vit_tiny_ssog', "
+                      "pretrained_cfg_overlay=dict(file=str(P['export'])))"))  # timm itself ignores the file
+    cases.append(_api("timm pyramid", "range", "patch_size", "timm.create_model('ssogvit_vit_tiny_ssog_pyramid', "
+                      "**dict(TINY, patch_size=2))"))
     dm = "create_datamodule('synthetic', {})"
     cases += [_api("datamodules", kind, needle, dm.format(arg)) for arg, kind, needle in [
         ("img_size=224.5", "type", "img_size"), ("img_size=0", "range", "img_size"),
@@ -291,6 +299,7 @@ def _eval_cases() -> list[Case]:
         (("--rescale-field",), "missing", "--rescale-field"), (("data.img_size=100000",), "huge", "img_size"),
         (("data.batch_size=0",), "range", "batch_size"), (("data.bogus=1",), "unknown", "bogus"),
         (("foo=1",), "unknown", "foo=1"), (("--ema",), "unknown", "ema"), (("data.seed=1",), "ignored", "data.seed"),
+        (("--img-size", "16", "data.img_size=32"), "ignored", "data.img_size"),  # one size, from one place
     ]]
     cases += [
         _cli("eval", "unknown", "cuda", "eval", "--ckpt", "{ckpt}", "--device", "cuda"),
@@ -322,6 +331,7 @@ def _transfer_cases() -> list[Case]:
         (("{evil}",), "malicious", "evil.ckpt"), (("{ckpt}", "--mode", "bogus"), "unknown", "--mode"),
         (("{ckpt}", "data.img_size=224.5"), "type", "img_size"), (("{export}", "--use-ema"), "unknown", "use_ema"),
         (("{ckpt}", "data.batch_size=0"), "range", "batch_size"),
+        (("{ckpt}", "model.kwargs.depth=2"), "ignored", "model.kwargs.depth"),  # the model is the source's
     ]] + [
         _cli("transfer", "existing", "holds a", *tr, "--ckpt", "{ckpt}", "output_dir={run}"),
         _cli("transfer", "file-for-folder", "output_dir", *tr, "--ckpt", "{ckpt}", "output_dir={file}"),
@@ -389,6 +399,7 @@ def _report_cases() -> list[Case]:
         _cli("report", "range", "--table", "report", "{run}", "--out", "{tmp}/rep", "--table", "0"),
         _cli("report", "type", "--table", "report", "{run}", "--out", "{tmp}/rep", "--table", "x"),
         _cli("report", "existing", "runs.md", "report", "{run}", "--out", "{report_out}"),
+        _cli("report", "existing", "--out", "report", "{run}", "--out", "{run}/report"),  # inside a run's folder
     ]
     return cases
 

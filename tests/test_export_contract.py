@@ -204,3 +204,22 @@ def test_export_takes_the_image_size_as_n_or_h_w_as_eval_does(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ssogvit.export.main([*args, "--img-size", "24", "32", "40"])
     assert "unrecognized arguments: 40" in capsys.readouterr().err
+
+
+def test_a_model_that_pads_is_refused_at_export_for_any_size_and_exports_at_its_own(tmp_path, capsys):
+    """A ``dynamic_img_pad=True`` model pads a side the patch does not divide; a file of any size cannot hold the
+    padding (the exporter fails on its own guards: audit C044, C045), so that export is refused in one line before any
+    exporter runs; at the traced size (``--static``) it exports, and its file still refuses what it must."""
+    torch.manual_seed(0)
+    model = create_model("vit-tiny-ssog", **TINY, dynamic_img_pad=True).eval()
+    with pytest.raises(ValueError, match="dynamic_img_pad=True"):
+        export_model(model, torch.randn(SHAPE), tmp_path / "m.pt2", format="exported-program")
+    assert not (tmp_path / "m.pt2").exists()
+    assert refused_shapes(SHAPE, 4, pads=True) == REFUSED[:2]  # 18x16 is padded by the model, not refused
+    ckpt = export_safetensors(model, tmp_path / "model.safetensors")
+    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "exported-program"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dynamic_img_pad=True" in err[0] and "--static" in err[0], err
+    assert ssogvit.export.main(["--ckpt", str(ckpt), "--format", "exported-program", "--static"]) == 0
+    out = capsys.readouterr().out
+    assert "refused a batch of shape (0, 3, 16, 16)" in out and "(2, 3, 18, 16)" not in out, out

@@ -115,7 +115,7 @@ def test_checked_checks_what_the_caller_passed_and_hands_on_normalised_values():
     (lambda: __import__("ssogvit").create_mixer("mha", 16, 2.0), "num_heads=2.0"),
     (lambda: __import__("ssogvit").create_mixer("ssog", 16, 2, num_atoms=0), "num_atoms=0"),
     (lambda: __import__("ssogvit").create_mixer("ssog", 16, 2, radius=float("nan")), "radius=nan"),
-    (lambda: __import__("ssogvit").create_mixer("ssog", 16, 2, gate_init={"mu": "x"}), "gate_init['mu']='x'"),
+    (lambda: __import__("ssogvit").create_mixer("ssog-steered", 16, 2, gate_init={"mu": "x"}), "gate_init['mu']='x'"),
 ])
 def test_the_public_constructors_use_the_declarations(call, needle):
     with pytest.raises(ValueError) as info:

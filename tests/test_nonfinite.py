@@ -28,7 +28,8 @@ def assert_same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> N
 
 def _mixer(steer):
     torch.manual_seed(0)
-    m = SSoGAttention(12, 3, num_atoms=3, steer=steer, gate_init=-1.0, sigma_min=0.02).double()
+    gates = dict(gate_init=-1.0) if steer else {}  # a fixed mixer refuses a steering option
+    m = SSoGAttention(12, 3, num_atoms=3, steer=steer, sigma_min=0.02, **gates).double()
     with torch.no_grad():  # narrow atoms among wide ones: exact zeros in float64 too, which an infinity makes NaN
         m.rho.uniform_(-8.0, 0.0)
         m.mu.uniform_(-2.0, 2.0)

@@ -26,7 +26,8 @@ F64 = dict(dtype=torch.float64)
 
 
 def make_mixer(steer=(), dim=12, heads=3, atoms=3, open_gates=True, **kw):
-    m = SSoGAttention(dim, heads, num_atoms=atoms, steer=steer, gate_init=-1.0 if open_gates else -8.0, **kw).double()
+    gates = dict(gate_init=-1.0 if open_gates else -8.0) if steer else {}  # a fixed mixer refuses a steering option
+    m = SSoGAttention(dim, heads, num_atoms=atoms, steer=steer, **gates, **kw).double()
     with torch.no_grad():  # move off the initial point: non-trivial widths, mixtures, temperature, steering maps
         m.rho.normal_(0.0, 0.7)
         m.ell.normal_(0.0, 1.0)

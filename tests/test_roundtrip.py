@@ -274,7 +274,8 @@ def _check_eval(eager, path: Path, run: Path | None, model: tuple, tmp_path: Pat
     from ssogvit.train.cli import evaluate
     from ssogvit.train.segmentation import evaluate_segmentation
 
-    data = [] if run else ["data=synthetic", "data.img_size=16", "data.val_size=8", f"data.num_classes={5}"]
+    # (no data.img_size: --img-size gives the size, and an override of the same key beside it is refused, audit C124)
+    data = [] if run else ["data=synthetic", "data.val_size=8", f"data.num_classes={5}"]
     score = evaluate_segmentation if model[2] else evaluate
     for size in (16, 24):
         out = tmp_path / f"eval{size}.json"

@@ -236,6 +236,7 @@ def test_a_finished_run_is_never_overwritten(finished, tmp_path):
     for extra in ([], ["resume=null"], ["resume=auto"], ["trainer.max_epochs=5"]):
         proc = cli("train", *tiny(finished, *extra))
         assert_clear_error(proc, proc.stderr, "holds a finished run", "ssogvit eval", "output_dir=")
+        assert "GPU available" not in proc.stdout + proc.stderr  # Lightning's banner only for a run that goes ahead
         break  # one subprocess shows the exit status and the message; the rest in-process below
     for extra in (["resume=null"], ["resume=auto"], ["trainer.max_epochs=5"], ["data.img_size=32"]):
         assert cli_main(["train", *tiny(finished, *extra)]) == 2

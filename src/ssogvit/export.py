@@ -67,6 +67,13 @@ def _patch_size(model: nn.Module) -> int:
     return int(patch[0] if isinstance(patch, tuple | list) else patch)
 
 
+def _pads(model: nn.Module) -> bool:
+    """Whether the model pads a side the patch does not divide (``dynamic_img_pad=True``, timm's ``PatchEmbed``)
+    instead of refusing it; a segmentation model's backbone says so for it."""
+    embed = getattr(getattr(model, "backbone", model), "patch_embed", None)
+    return bool(getattr(embed, "dynamic_img_pad", False))
+
+
 def _in_chans(model: nn.Module) -> int:
     """The image channels the model takes."""
     chans = getattr(model, "in_chans", None)
@@ -160,6 +167,11 @@ def export_model(
                          "or 'euler', the same weights)")
     dims = dynamic_dims(format, dynamo) if dynamic else ()
     patch = _patch_size(model)
+    if "size" in dims and _pads(model):  # refused here, not by the exporter's guards on the padding arithmetic
+        raise ValueError(f"this model pads a side the patch ({patch}) does not divide (dynamic_img_pad=True), which "
+                         "a file of any image size cannot hold; export it at its traced size (--static, or "
+                         "dynamic=False), or pad the images to a multiple of the patch and export the model built "
+                         "without dynamic_img_pad (the same weights)")
     b, _, h, w = example.shape
     if "batch" in dims and b < 2:
         raise ValueError(f"a dynamic batch is traced at batch 2 or more (an exporter fixes a dimension of size 1), "
@@ -226,11 +238,12 @@ def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> t
     return (batch, c, h + patch, w + 2 * patch) if "size" in dims else (batch, c, h, w)
 
 
-def refused_shapes(shape: tuple[int, ...], patch: int) -> list[tuple[int, ...]]:
+def refused_shapes(shape: tuple[int, ...], patch: int, *, pads: bool = False) -> list[tuple[int, ...]]:
     """Input shapes near ``shape`` that the eager model refuses, so every exported file must refuse them too: a batch
-    of 0, one channel more and (patch > 1) a height the patch does not divide (18x16 from 16x16 at patch 4)."""
+    of 0, one channel more and (patch > 1, a model that does not pad) a height the patch does not divide (18x16 from
+    16x16 at patch 4)."""
     b, c, h, w = shape
-    return [(0, c, h, w), (b, c + 1, h, w)] + ([(b, c, h + max(1, patch // 2), w)] if patch > 1 else [])
+    return [(0, c, h, w), (b, c + 1, h, w)] + ([(b, c, h + max(1, patch // 2), w)] if patch > 1 and not pads else [])
 
 
 @torch.no_grad()
@@ -318,7 +331,7 @@ def _export(args: argparse.Namespace) -> int:
 
     model = load_model(ckpt).float().eval()
     h, w = args.img_size or model.img_size
-    patch = _patch_size(model)
+    patch, pads = _patch_size(model), _pads(model)
     if h % patch or w % patch:
         raise UsageError(f"--img-size {h} {w} is not a multiple of the patch size {patch}")
     if "size" in dims and min(h, w) < 2 * patch:
@@ -357,7 +370,8 @@ def _export(args: argparse.Namespace) -> int:
             if not measured[-1] <= args.tolerance:
                 raise UsageError(f"parity {measured[-1]:.3e} is worse than the tolerance {args.tolerance:.0e}: the "
                                  f"exported file does not compute what the model computes, so {out} was not written")
-        for i, bad in enumerate(refused_shapes(shape, patch)):  # what the eager model refuses, the file must refuse
+        # what the eager model refuses, the file must refuse
+        for i, bad in enumerate(refused_shapes(shape, patch, pads=pads)):
             why = refusal(model, tmp, torch.randn(bad, generator=torch.Generator().manual_seed(100 + i)),
                           format=args.format)
             if why is None:

@@ -41,8 +41,8 @@ from ssogvit.errors import InputError
 
 __all__ = [
     "OutputError", "OutputExistsError", "OVERWRITE_FLAG", "TEMP_TAG", "HOST",
-    "check_output_file", "check_output_folder", "check_replaceable", "atomic_write", "write_text", "write_bytes",
-    "write_json",
+    "check_output_file", "check_output_folder", "run_folder_of", "RUN_STATE_FILE", "check_replaceable",
+    "atomic_write", "write_text", "write_bytes", "write_json",
     "staged_outputs", "temp_path", "is_temp_name", "remove_stale_temp_files", "replace_folder",
 ]
 
@@ -90,12 +90,30 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
 
 
-def check_output_folder(folder: str | os.PathLike, argument: str = "--out") -> Path:
+#: the file that marks a folder as one run's (`ssogvit.train.run_folder` writes it): a run folder holds that run's
+#: files only, so no other command's output folder is, or lies inside, one (`check_output_folder`)
+RUN_STATE_FILE = "run.json"
+
+
+def run_folder_of(path: str | os.PathLike) -> Path | None:
+    """The run folder `path` is or lies inside (the nearest one holding `RUN_STATE_FILE`), or None."""
+    p = Path(path).expanduser().absolute()
+    return next((q for q in (p, *p.parents) if (q / RUN_STATE_FILE).is_file()), None)
+
+
+def check_output_folder(folder: str | os.PathLike, argument: str = "--out", *, run: bool = False) -> Path:
     """`folder` as a `Path` if a command may write into it: an existing writable folder, or one that can be
-    created (its nearest existing ancestor is a writable folder); `OutputError` naming `argument` otherwise."""
+    created (its nearest existing ancestor is a writable folder), that is not a run folder nor inside one (`run`:
+    the command is the run that owns `folder`, which may hold its own `RUN_STATE_FILE` but lie in no other run's
+    folder); `OutputError` naming `argument` otherwise."""
     if not isinstance(folder, (str, os.PathLike)) or not str(folder).strip():
         raise OutputError(f"{argument}={folder!r}: expected the path of a folder", argument=argument)
     p = Path(folder).expanduser()
+    owner = run_folder_of(p.parent if run else p)
+    if owner is not None:
+        inside = "is" if owner == p.absolute() else f"lies inside {owner}, which is"
+        raise OutputError(f"{argument}: {p} {inside} the folder of a run (it holds {RUN_STATE_FILE}); a run folder "
+                          "holds its run's files only: choose a folder outside it", argument=argument)
     if p.exists():
         if not p.is_dir():
             raise OutputError(f"{argument}: {p} is a file, not a folder", argument=argument)

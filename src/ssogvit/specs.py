@@ -43,6 +43,7 @@ from ssogvit.errors import InputError, refused
 
 __all__ = [
     "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Items", "Ints", "checked", "check_args",
+    "AppliesOnly", "check_applies", "check_images",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
     "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE", "add_img_size_option",
 ]
@@ -314,14 +315,48 @@ def _specs_of(func: Callable) -> dict[str, Spec]:
     return out
 
 
-def checked(func: Callable) -> Callable:
-    """Check, at every call, each argument the caller passed whose parameter is annotated `Annotated[T, spec]`.
+@dataclass(frozen=True)
+class AppliesOnly:
+    """An option that only some settings of the other options use (the steering radius: a steered mixer; an ODE
+    solver's tolerances: an adaptive solver). Given at another value than its default where `when` of all the
+    arguments is false, it would be recorded and ignored: `check_applies` refuses it, naming it and what it needs."""
+
+    when: Callable[[Mapping[str, Any]], bool]
+    needs: str  # what makes it apply, as the refusal says it: "a steered mixer (steer=...)"
+
+
+def check_applies(rules: Mapping[str, AppliesOnly], given: Mapping[str, Any], defaults: Mapping[str, Any],
+                  arguments: Mapping[str, Any]) -> None:
+    """`InputError` for the first option of `rules` that the caller `given` at another value than its default while
+    its rule does not apply to `arguments` (every argument, defaults included). An option left at its default passes:
+    a saved config records every option, and rebuilding from it must not fail."""
+    for name, rule in rules.items():
+        if name in given and _differs(given[name], defaults.get(name)) and not rule.when(arguments):
+            shown = repr(given[name]) if len(repr(given[name])) <= 60 else repr(given[name])[:57] + "..."
+            raise InputError(f"{name}={shown} applies only to {rule.needs}; here it would be recorded and ignored: "
+                             f"leave it out", argument=name, expected=f"{name} only with {rule.needs}")
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except (TypeError, ValueError, RuntimeError):  # a tensor or array compared element-wise: not the default
+        return True
+
+
+def checked(func: Callable | None = None, *, applies: Mapping[str, AppliesOnly] | None = None) -> Callable:
+    """Check, at every call, each argument the caller passed whose parameter is annotated `Annotated[T, spec]`, and
+    (`applies`) that no option is given where the other arguments make it unused (`check_applies`). Used as
+    `@checked` or `@checked(applies={...})`, the rules declared beside the signature.
 
     The wrapped function receives the normalised values (`np.int64(4)` arrives as `4`); a refused one raises
     `InputError` / `InputTypeError` naming the parameter. Defaults are not checked (they are the author's).
     """
+    if func is None:
+        return functools.partial(checked, applies=applies)
     signature = inspect.signature(func)
     specs: dict[str, Spec] | None = None
+    defaults = {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -332,9 +367,22 @@ def checked(func: Callable) -> Callable:
         for param, spec in specs.items():
             if param in bound.arguments:
                 bound.arguments[param] = spec.check(bound.arguments[param], param)
+        if applies:
+            check_applies(applies, bound.arguments, defaults, {**defaults, **bound.arguments})
         return func(*bound.args, **bound.kwargs)
 
     return wrapper
+
+
+def check_images(images: Any) -> None:
+    """Refuse what no model takes as images (`InputError` naming `images`): not a `(B, C, H, W)` tensor, or a batch of
+    0 (every exported file refuses it too: docs/models.md, "Deployment"). Checked by ssogvit's models and by a timm
+    ViT that `ssogify` made an SSoG ViT."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise InputError(f"expected images of shape (B, C, H, W), got {shape}", argument="images")
+    if images.shape[0] == 0:
+        raise InputError(f"an empty batch {tuple(images.shape)}: a model takes 1 image or more", argument="images")
 
 
 def check_args(specs: Mapping[str, Spec], values: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from torch import Tensor, nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ssogvit.specs import Choice, Flag, checked
+from ssogvit.specs import Choice, Flag, check_images, checked
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention, is_ssog
 
@@ -246,6 +246,7 @@ def ssogify(model: nn.Module, *, mixer: Annotated[str, Choice(("ssog", "ssog-ste
         shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         raise ValueError(f"ssogify cannot reproduce this {type(model).__name__} faithfully: {shown}")
     tracker = _GridTracker()
+    model.register_forward_pre_hook(_check_images)  # timm's reshapes would fail on a batch of 0 with their own words
     model.patch_embed.register_forward_hook(tracker)
     prefix = getattr(model, "num_prefix_tokens", None)
     for block in unique_blocks(model):
@@ -271,6 +272,12 @@ def ssogify(model: nn.Module, *, mixer: Annotated[str, Choice(("ssog", "ssog-ste
     model.no_weight_decay = partial(_no_weight_decay, model, getattr(model, "no_weight_decay", None))
     model.save_pretrained = partial(save_pretrained, model)
     return model
+
+
+def _check_images(model: nn.Module, args: tuple[Any, ...]) -> None:
+    """The forward pre-hook ``ssogify`` gives the model: its images checked as ssogvit's own models check theirs."""
+    if args:
+        check_images(args[0])
 
 
 def _no_weight_decay(model: nn.Module, inherited: Callable[[], set[str]] | None) -> set[str]:

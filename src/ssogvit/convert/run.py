@@ -119,7 +119,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     if c["calib"] is not None:
         input_folder(c["calib"], "--calib")
     folder = output_folder(cfg)
-    check_output_folder(folder.path, "--out")
+    check_output_folder(folder.path, "--out", run=True)
     with folder.claim(cfg.get("resume"), OmegaConf.to_container(cfg, resolve=True)) as resume:
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         summary = _convert(cfg, c, folder.path, teacher, student, dm, resume, start, verbose,

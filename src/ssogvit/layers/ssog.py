@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ssogvit import core, ops, reference
 from ssogvit.backends.torch import default_head_chunk
 from ssogvit.errors import InputError
-from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, Choice, Flag, Float, Int, checked
+from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, AppliesOnly, Choice, Flag, Float, Int, checked
 
 __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "NUM_ATOMS", "RADIUS", "is_ssog"]
 
@@ -39,6 +39,13 @@ def _parse_steer(steer: str | Iterable[str] | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown steering path(s) {unknown}; expected a subset of {STEER_PATHS} (or 'all')")
     return tuple(p for p in STEER_PATHS if p in steer)
+
+
+#: the options only a steered mixer uses (the centre offsets' bound, the gates' initial value): given to a fixed
+#: mixer at another value than the default, they are refused (``specs.check_applies``), not recorded and ignored
+STEERED_ONLY = dict.fromkeys(("radius", "gate_init"), AppliesOnly(
+    lambda a: bool(_parse_steer(a["steer"])),
+    "a steered mixer (steer='mu', 'sigma', 'lambda', a list of them or 'all'; or the mixer 'ssog-steered')"))
 
 
 class SSoGAttention(nn.Module):
@@ -80,7 +87,7 @@ class SSoGAttention(nn.Module):
     #: head, the last block's field gets no gradient (docs/models.md, "The default head").
     default_pool: ClassVar[str] = "avg"
 
-    @checked
+    @checked(applies=STEERED_ONLY)
     def __init__(
         self,
         dim: Annotated[int, EMBED_DIM],

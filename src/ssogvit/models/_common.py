@@ -34,9 +34,12 @@ from ssogvit.specs import (
     NUM_HEADS,
     NUM_REGISTERS,
     PATCH_SIZE,
+    AppliesOnly,
     Choice,
     Flag,
     IntOrPair,
+    check_applies,
+    check_images,
     checked,
 )
 from ssogvit.layers import create_mixer, default_pool, is_ssog
@@ -315,6 +318,8 @@ class VisionTransformerBase(TimmVisionTransformer):
     family: ClassVar[str] = ""
     #: the family's own constructor options and their defaults, after the shared ones
     family_options: ClassVar[dict[str, Any]] = {}
+    #: the family's options that only some settings of the others use (``specs.AppliesOnly``), refused where unused
+    option_applies: ClassVar[dict[str, AppliesOnly]] = {}
     #: one block's weights applied ``depth`` times (looped, ode) instead of ``depth`` blocks (vit)
     shared_block: ClassVar[bool] = False
 
@@ -343,7 +348,9 @@ class VisionTransformerBase(TimmVisionTransformer):
         unknown = [k for k in options if k not in self.family_options]
         if unknown:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
+        given = options
         options = self._check_options({**self.family_options, **options}, drop_path_rate=drop_path_rate)
+        check_applies(self.option_applies, {k: options[k] for k in given}, self.family_options, options)
         mixer_options = dict(mixer_options or {})
         global_pool = default_pool(mixer) if global_pool is None else global_pool
         img_size = _image_size(img_size)  # the config's one form, (H, W): what timm's writer records of any model
@@ -543,10 +550,7 @@ class VisionTransformerBase(TimmVisionTransformer):
     def embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and their grid ``(Gh, Gw)``,
         which every block application takes as an argument."""
-        if x.ndim != 4:
-            raise InputError(f"expected images of shape (B, C, H, W), got {tuple(x.shape)}", argument="images")
-        if x.shape[0] == 0:  # refused, as every exported file refuses it (docs/models.md, Deployment)
-            raise InputError(f"an empty batch {tuple(x.shape)}: a model takes 1 image or more", argument="images")
+        check_images(x)
         h, w = x.shape[-2:]
         p = self.patch_size
         if (h % p or w % p) and not self.patch_embed.dynamic_img_pad:

@@ -33,7 +33,7 @@ from ssogvit.specs import EMBED_DIM, Int, Ints, checked
 from ._common import VisionTransformerBase, feature_take_indices  # timm's private helper, imported in one place
 
 __all__ = ["PYRAMID_SCALES", "SimpleFeaturePyramid", "PyramidFeatures", "PyramidViT", "SemanticFPNHead",
-           "SegmentationModel", "pyramid_scales"]
+           "SegmentationModel", "check_pyramid_patch", "pyramid_scales"]
 
 #: upsampling factor of each pyramid level relative to the patch map (ViTDet: strides 4, 8, 16, 32 at patch 16)
 PYRAMID_SCALES: tuple[float, ...] = (4.0, 2.0, 1.0, 0.5)
@@ -52,6 +52,14 @@ def _resample(dim: int, scale: float) -> tuple[nn.Module, int]:
     if scale == 0.5:
         return nn.MaxPool2d(2, ceil_mode=True), dim
     raise ValueError(f"unsupported pyramid scale {scale}; ViTDet's are {PYRAMID_SCALES}")
+
+
+def check_pyramid_patch(patch_size: int) -> None:
+    """Refuse a backbone patch the pyramid cannot take: its finest level is at stride ``patch_size / 4``, and timm's
+    ``FeatureInfo`` takes reductions of 1 pixel or more."""
+    if patch_size < 4:
+        raise InputError(f"patch_size={patch_size}: the feature pyramid's finest level is at stride patch_size/4, so "
+                         "a pyramid backbone takes patch_size >= 4", argument="patch_size")
 
 
 def pyramid_scales(patch_size: int, output_stride: int | None = None) -> tuple[float, ...]:
@@ -146,9 +154,7 @@ class PyramidFeatures(nn.Module):
         if bad or not out_indices:
             raise InputError(f"out_indices={tuple(out_indices)}: the pyramid has levels 0..{NUM_LEVELS - 1}",
                              argument="out_indices")
-        if backbone.patch_size < 4:  # timm's FeatureInfo takes reductions of 1 pixel or more
-            raise InputError(f"patch_size={backbone.patch_size}: the feature pyramid's finest level is at stride "
-                             "patch_size/4, so a pyramid backbone takes patch_size >= 4", argument="patch_size")
+        check_pyramid_patch(backbone.patch_size)
         self.backbone = backbone
         self.pyramid = SimpleFeaturePyramid(backbone.embed_dim, pyramid_dim)
         self.feature_blocks = feature_blocks

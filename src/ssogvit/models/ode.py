@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from ssogvit.specs import Flag, Float, Text, check_args
+from ssogvit.specs import AppliesOnly, Flag, Float, Text, check_args
 
 from ._common import Block, CenterNorm, VisionTransformerBase, layer_norm
 
@@ -197,6 +197,9 @@ class ODEViT(VisionTransformerBase):
 
     family = "ode"
     family_options = dict(solver="euler", scale=None, norm="layernorm", rtol=1e-3, atol=1e-4, adjoint=False)
+    #: an adaptive solver's tolerances: a fixed-grid solver takes ``depth`` steps whatever they say
+    option_applies = dict.fromkeys(("rtol", "atol"), AppliesOnly(
+        lambda o: o["solver"] in ADAPTIVE_SOLVERS, f"an adaptive solver (solver= one of {', '.join(ADAPTIVE_SOLVERS)})"))
     shared_block = True
 
     def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from ssogvit.resources import format_bytes
 from ssogvit.layers import list_mixers, mixer_options
 
 from ._common import SAVED_FOLDER_CHECK, SIZES, VisionTransformerBase
-from .dense import NUM_LEVELS, PyramidViT, SegmentationModel, pyramid_scales
+from .dense import NUM_LEVELS, PyramidViT, SegmentationModel, check_pyramid_patch, pyramid_scales
 from .pretrained import carry_state_dict, target_model
 from .looped import LoopedViT
 from .ode import ODEViT
@@ -400,6 +400,16 @@ def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any,
     return cfg, saved
 
 
+def _refuse_unused_file(pretrained: bool, kwargs: Mapping[str, Any]) -> None:
+    """timm builds a model with random weights when ``pretrained_cfg_overlay`` names a weights file but ``pretrained``
+    is not set, and ignores the file without a word: refused here, naming the fix."""
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    if not pretrained and isinstance(overlay, Mapping) and overlay.get("file"):
+        raise InputError(f"pretrained_cfg_overlay=dict(file={str(overlay['file'])!r}) without pretrained=True: timm "
+                         "would build the model with random weights and ignore the file; pass pretrained=True (smp: "
+                         "encoder_weights=True) to load it, or leave the file out", argument="pretrained")
+
+
 def _given_cfg(tname: str, kwargs: dict[str, Any]) -> Any:
     """The pretrained config resolved already (``_pretrained_cfg``), or the name's default with the caller's overlay."""
     cfg = kwargs.pop("pretrained_cfg", None)
@@ -424,6 +434,7 @@ def _timm_entrypoint(name: str):
     tname = timm_name(name)
 
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        _refuse_unused_file(pretrained, kwargs)
         placement = {k: kwargs.pop(k) for k in ("device", "dtype") if k in kwargs}
         if pretrained:
             cfg, saved = _pretrained_cfg(tname, name, kwargs)
@@ -465,6 +476,7 @@ def _pyramid_entrypoint(name: str):
     def entrypoint(pretrained: bool = False, *, pyramid_dim: int = 256, feature_blocks: list[int] | None = None,
                    output_stride: int | None = None, global_pool: str = "avg", drop_rate: float = 0.0,
                    **kwargs: Any) -> nn.Module:
+        _refuse_unused_file(pretrained, kwargs)
         placement = {k: kwargs.pop(k) for k in ("device", "dtype") if k in kwargs}
         pyramid = dict(pyramid_dim=pyramid_dim, feature_blocks=feature_blocks)
         if pretrained:
@@ -476,6 +488,7 @@ def _pyramid_entrypoint(name: str):
             kwargs["pretrained_cfg"] = cfg
         kwargs.pop("global_pool", None)
         patch = kwargs.get("patch_size", 16)
+        check_pyramid_patch(patch)  # before timm's own checks of the reductions, which fail with an empty message
         kwargs["pretrained_cfg"] = _input_cfg(_given_cfg(tname, kwargs), kwargs,
                                               patch / min(pyramid_scales(patch, output_stride)))
         if pretrained:

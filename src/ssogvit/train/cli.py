@@ -105,13 +105,19 @@ def transfer_main(argv: list[str]) -> int:
 _TRANSFER_FLAGS = {"transfer.ckpt": "--ckpt", "transfer.mode": "--mode", "transfer.use_ema": "--use-ema"}
 
 
-def _transfer(args: argparse.Namespace, overrides: list[str]) -> int:
+def _refuse_flag_overrides(command: str, flags: dict[str, str], overrides: list[str]) -> None:
+    """A `ConfigError` for an override of a setting the command takes from one of its options (`flags`: dotted key ->
+    the option): both would be recorded, one obeyed."""
     from .errors import ConfigError
 
     for key, override in ((split_override(o)[0], o) for o in overrides):
-        if key in _TRANSFER_FLAGS:
-            raise ConfigError(f"{override!r} contradicts {_TRANSFER_FLAGS[key]}: transfer takes {key} from its "
-                              f"option {_TRANSFER_FLAGS[key]}; give it there, once")
+        if key in flags:
+            raise ConfigError(f"{override!r} contradicts {flags[key]}: {command} takes {key} from its option "
+                              f"{flags[key]}; give it there, once")
+
+
+def _transfer(args: argparse.Namespace, overrides: list[str]) -> int:
+    _refuse_flag_overrides("transfer", _TRANSFER_FLAGS, overrides)
     base = [f"transfer.ckpt={args.ckpt}", f"transfer.mode={args.mode}", f"transfer.use_ema={args.use_ema}"]
     if not any(o.startswith("name=") for o in overrides):  # two sources never share a run folder
         base.append(f"name=transfer_{args.mode}_${{data.name}}_{_source_tag(args.ckpt)}")
@@ -187,6 +193,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--img-size {pair[0]} {pair[1]}: eval resizes the data to square images; give N, or H W "
                           f"with H = W (`ssogvit export` traces any H W)")
     args.img_size = pair[0] if pair else None
+    _refuse_flag_overrides("eval", {"data.img_size": "--img-size"} if args.img_size else {}, overrides)
     if args.rescale_field and not (args.img_size or args.patch_size):
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
     check_device(args.device, "--device")

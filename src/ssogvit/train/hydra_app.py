@@ -26,7 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import split_override
 
-__all__ = ["hydra_command"]
+__all__ = ["hydra_command", "task_overrides"]
+
+
+def task_overrides() -> list[str]:
+    """The overrides given to this job on the command line (Hydra's `overrides.task`); none outside a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def _job_config(cfg: DictConfig) -> DictConfig:

@@ -15,6 +15,7 @@ Layout of `<output_dir>` (default `runs/<name>`), which belongs to one run (`sso
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .components import build_callbacks, build_loggers, progress_callbacks
-from .config import check_run_config, model_config_from
+from .config import check_run_config, model_config_from, split_override
+from .hydra_app import task_overrides
 from ssogvit.outputs import OutputError, check_output_folder
 
 from .errors import ConfigError
@@ -132,10 +134,30 @@ def _run_model_config(cfg: DictConfig, dm) -> dict[str, Any]:
             config["num_classes"] = int(dm.num_classes)
         return config
     config = read_model_config(src)  # the source architecture, with a new head for the target classes
+    _refuse_contradicting_model(cfg, config, src)
     config["num_classes"] = int(dm.num_classes)
     if int(config.get("in_chans", 3)) != int(dm.in_chans):
         raise ConfigError(f"source model takes {config.get('in_chans', 3)} channels, the target data has {dm.in_chans}")
     return config
+
+
+def _refuse_contradicting_model(cfg: DictConfig, source: dict[str, Any], src: Any) -> None:
+    """A transfer builds the source's architecture (``source``): a ``model.*`` override that says otherwise would be
+    recorded in config.yaml and ignored, so it is refused, naming the key and both values (the head's class count
+    is the data's, and a new one)."""
+    wanted = model_config_from(cfg)
+    for override in task_overrides():
+        key = split_override(override)[0]
+        if key.split(".")[0] != "model":
+            continue
+        name = key.split(".", 2)[2] if key.startswith("model.kwargs.") else "name"
+        if name == "num_classes" or name not in wanted:
+            continue
+        given, saved = wanted[name], source.get(name, None if name != "name" else source.get("name"))
+        if json.dumps(given, default=str) != json.dumps(saved, default=str):
+            raise ConfigError(f"{override!r} contradicts the transfer's source (transfer.ckpt={src}), built with "
+                              f"{'model' if name == 'name' else name}={saved!r}: a transfer trains the source's "
+                              "architecture with a new head; leave the override out")
 
 
 def _is_global_zero() -> bool:
@@ -147,9 +169,10 @@ def _is_global_zero() -> bool:
 
 def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[str, Any], ClassificationModule]:
     """Everything a launch needs, checked before it writes anything: the config's values, the data (found, loaders
-    built), the model (built, and one forward pass on a blank image of the data's shape), the trainer.
+    built), the model (built, and one forward pass on a blank image of the data's shape), and how to build the
+    trainer (called once the run folder's decision is checked: Lightning prints its banner as it builds one).
 
-    Returns `(trainer, datamodule, model_config, module)`; a `ConfigError` or `DataError` names what is wrong.
+    Returns `(make_trainer, datamodule, model_config, module)`; a `ConfigError` or `DataError` names what is wrong.
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -160,7 +183,7 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
 
     output_dir = Path(str(cfg.output_dir)).expanduser()
     try:  # a file where the folder belongs, a folder that cannot be written or created
-        check_output_folder(output_dir, "output_dir")
+        check_output_folder(output_dir, "output_dir", run=True)
     except OutputError as err:
         raise ConfigError(str(err)) from None
     try:
@@ -202,11 +225,14 @@ def _prepare(cfg: DictConfig, callbacks: list | None) -> tuple[Any, Any, dict[st
         raise refuse(f"the model cannot run on {dm.img_size} px images with {dm.in_chans} channels", err) from None
     finally:
         module.train(training)
-    try:
-        trainer = build_trainer(cfg, output_dir, callbacks=callbacks, train_batches=train_batches)
-    except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
-        raise refuse("the trainer cannot be set up from this config", err) from None
-    return trainer, dm, model_config, module
+
+    def make_trainer() -> Any:
+        try:
+            return build_trainer(cfg, output_dir, callbacks=callbacks, train_batches=train_batches)
+        except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
+            raise refuse("the trainer cannot be set up from this config", err) from None
+
+    return make_trainer, dm, model_config, module
 
 
 def _check_task(cfg: DictConfig, dm, model_config: dict[str, Any]) -> str:
@@ -256,7 +282,7 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
         _new_try(cfg)
     output_dir = Path(str(cfg.output_dir)).expanduser()
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    trainer, dm, model_config, module = _prepare(cfg, callbacks)
+    make_trainer, dm, model_config, module = _prepare(cfg, callbacks)
     config = OmegaConf.to_container(cfg, resolve=True)
     resume_setting = cfg.resume
     same_run = dict(model_config=module.hparams["model_config"], recipe=module.hparams["recipe"], config=config,
@@ -265,11 +291,12 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
         check_resumable(resume_setting, **same_run)  # an explicit path: readable, ours, this run's
 
     if not _is_global_zero():  # rank 0 owns the folder; the other ranks follow its (already checked) decision
-        return _fit(cfg, output_dir, trainer, dm, model_config, module,
+        return _fit(cfg, output_dir, make_trainer(), dm, model_config, module,
                     resolve_resume(cfg, output_dir / "checkpoints"), start)
     folder = RunFolder(output_dir, command="transfer" if cfg.transfer.ckpt else "train")
     planned = folder.decide_resume(resume_setting, config)  # refused here, nothing is written (not even the lock)
     checked = check_resumable(planned, **same_run) if planned else None
+    trainer = make_trainer()  # after every refusal: its banner belongs to a run that goes ahead
     with folder.claim(resume_setting, config) as resume:
         epoch, step, done = -1, 0, 0
         if resume is not None:

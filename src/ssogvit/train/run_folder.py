@@ -27,7 +27,7 @@ from typing import Any
 
 from ssogvit.documents import DocumentError, read_document
 from ssogvit.errors import InputError
-from ssogvit.outputs import HOST, atomic_write, remove_stale_temp_files, write_json
+from ssogvit.outputs import HOST, RUN_STATE_FILE, atomic_write, remove_stale_temp_files, write_json
 
 from .errors import RunFolderError
 
@@ -37,7 +37,7 @@ __all__ = [
     "RUN_FILES", "IGNORED_KEYS", "LOCK_NAME", "STATE_NAME",
 ]
 
-LOCK_NAME, STATE_NAME = ".ssogvit.lock", "run.json"
+LOCK_NAME, STATE_NAME = ".ssogvit.lock", RUN_STATE_FILE
 #: what makes a folder hold a run (anything else in it is left alone)
 RUN_FILES = ("config.yaml", "run.json", "checkpoints", "export", "logs", "tb", "fit")
 #: run-config keys that may differ between the launches of one run: where things are, not what is computed
