@@ -544,7 +544,7 @@ def test_unknown_global_pool_is_a_value_error_naming_the_valid_ones(family):
     from ssogvit.models import FAMILIES as CLASSES
 
     with pytest.raises(ValueError, match=r"global_pool"):  # the classes check it too, not only create_model
-        CLASSES[family](global_pool="", embed_dim=192, num_heads=3, depth=1, num_classes=2)
+        CLASSES[family](global_pool="max", embed_dim=192, num_heads=3, depth=1, num_classes=2)
 
 
 @pytest.mark.parametrize("change", ["prune", "reset"])
