@@ -21,7 +21,14 @@ from ssogvit.errors import InputError
 from ssogvit.resources import check_memory
 from ssogvit.specs import IMG_SIZE, PATCH_SIZE, SEED, Float, Int, Ints, Spec
 from ssogvit.layers import is_ssog
-from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs, write_json
+from ssogvit.outputs import (
+    OVERWRITE_FLAG,
+    OutputExistsError,
+    check_output_folder,
+    check_replaceable,
+    staged_outputs,
+    write_json,
+)
 from ssogvit.results import fmt, jsonable, markdown_table, write_markdown
 from ssogvit.train.config import split_override
 
@@ -369,7 +376,10 @@ def _run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     todo = ANALYSES if args.what == "all" else (args.what,)
     out = check_output_folder(args.out, "--out")
-    existing = [str(out / f"{w}.{ext}") for w in todo for ext in ("json", "md") if (out / f"{w}.{ext}").exists()]
+    planned = [out / f"{w}.{ext}" for w in todo for ext in ("json", "md")]
+    for path in planned:  # before any work: a link, a folder or a device there is never replaced, asked or not
+        check_replaceable(path, "--out")
+    existing = [str(path) for path in planned if path.exists()]
     if existing and not args.overwrite:  # before any work; the rest (pictures) is checked when they are written
         raise OutputExistsError(f"--out: {', '.join(existing[:3])} already exist(s); pass {OVERWRITE_FLAG} to "
                                 "replace, or choose another folder", argument="--out")

@@ -552,6 +552,9 @@ class VisionTransformerBase(TimmVisionTransformer):
         """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and their grid ``(Gh, Gw)``,
         which every block application takes as an argument."""
         check_images(x)
+        if x.shape[1] != self.in_chans:
+            raise InputError(f"images {tuple(x.shape)} have {x.shape[1]} channels; this model takes {self.in_chans}",
+                             argument="images")
         h, w = x.shape[-2:]
         p = self.patch_size
         if (h % p or w % p) and not self.patch_embed.dynamic_img_pad:

@@ -188,9 +188,14 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
     The values are checked by the model's and the mixer's own declarations, building on the meta device (shapes
     only, no memory); so is the parameter count.
     """
-    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
-        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}",
+    if isinstance(config, Mapping) and "timm_model" in config and "name" not in config:  # convert's timm student
+        raise DocumentError(f"{source}: the student of a timm teacher ({config['timm_model']}), an ssogified timm "
+                            "model: load it with ssogvit.convert.load_converted (docs/conversion.md)",
                             argument=str(source))
+    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
+        got = f"a dict without a name (keys {', '.join(map(str, list(config)[:5]))})" if isinstance(
+            config, Mapping) else type(config).__name__
+        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {got}", argument=str(source))
     config = dict(config)
     check_no_interpolation(config, str(source))
     placement = sorted({"device", "dtype"} & set(config))
