@@ -254,7 +254,6 @@ def _train_cases() -> list[Case]:
         ("optim.lr=nan", "range", "optim.lr"), ("optim.lr=-1", "range", "optim.lr"),
         ("optim.opt=nope", "unknown", "optim.opt"), ("seed=abc", "type", "seed"), ("seed=-1", "range", "seed"),
         ("trainer.precision=16-mixed", "unknown", "trainer.precision"),  # mixed precision on the CPU
-        ("sched.min_lr=1", "range", "sched.min_lr"),  # the schedule's floor above its peak
         ("sched.warmup_epochs=-1", "range", "sched.warmup_epochs"), ("loss.smoothing=2", "range", "loss.smoothing"),
         ("loss.jasmin.reduce=sum", "unknown", "loss.jasmin.reduce"),
         ("mixup.mixup_alpha=-1", "range", "mixup.mixup_alpha"),

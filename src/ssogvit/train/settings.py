@@ -208,19 +208,6 @@ def _transfer_without_source(v: Callable[[str], Any]) -> bool:
                                           for f in fields(TransferSettings) if f.name != "ckpt")
 
 
-def _floor_above_peak(v: Callable[[str], Any]) -> bool:
-    """Whether the cosine schedule's floor `sched.min_lr` lies above its peak, `optim.lr` scaled by the batch over
-    `optim.lr_base_batch` (the batch: the per-device one times `trainer.devices` where that is a number, else one
-    device's)."""
-    floor, lr = v("sched.min_lr"), v("optim.lr")
-    if floor is None or lr is None:
-        return False
-    devices = v("trainer.devices")
-    batch = float(v("data.batch_size") or 1) * (int(devices) if isinstance(devices, int) and devices > 0 else 1)
-    base = v("optim.lr_base_batch")
-    return float(floor) > float(lr) * (batch / float(base) if base else 1.0)
-
-
 @dataclass
 class DataSettings:
     """`data`: the keys every dataset's YAML (`conf/data/<name>.yaml`) gives; the rest of `data` are the options of
@@ -326,9 +313,6 @@ CONSTRAINTS: tuple[tuple[Callable[[Callable[[str], Any]], bool], str], ...] = (
      "set data.num_classes (the model takes it from there)"),
     (lambda v: str(v("ckpt.monitor")).startswith("val_ema/") and not v("ema.enabled"),
      "ckpt.monitor=val_ema/... needs ema.enabled=true"),
-    (_floor_above_peak,
-     "sched.min_lr lies above the peak learning rate (optim.lr scaled by the batch over optim.lr_base_batch): the "
-     "schedule would warm up to its floor and stay above the rate asked for; give a min_lr below it"),
     (_transfer_without_source,
      "transfer.mode / transfer.use_ema without transfer.ckpt: they apply to a source checkpoint's weights, and this "
      "run trains from scratch; give transfer.ckpt=<checkpoint or export> (or `ssogvit transfer`), or leave them out"),
