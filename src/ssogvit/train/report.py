@@ -579,4 +579,5 @@ def _plot_twin_curves(runs: list[RunLog], path: Path) -> None:
     for run in sorted(runs, key=lambda r: (r.family, GAP_MIXERS.index(r.mixer) if r.mixer in GAP_MIXERS else 9)):
         groups.setdefault(f"{run.family} {run.mixer} ({run.head})", []).append(run.path)
     plot_training_curves(groups, path, title="CPU-sized twins of the paper's runs: mean over seeds (band: range)",
-                         overwrite=True, row_of=lambda label: label.split()[0])  # a fresh staging folder: `_report` has refused existing files unless asked
+                         overwrite=True,  # a fresh staging folder: `_report` has refused existing files unless asked
+                         row_of=lambda label: label.split()[0])  # a row of panels per family
