@@ -209,6 +209,10 @@ def _loader_cases() -> list[Case]:
                       "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), depth=5)"))
     cases.append(_api("timm file overlay", "ignored", "pretrained", "timm.create_model('ssogvit_vit_tiny_ssog', "
                       "pretrained_cfg_overlay=dict(file=str(P['export'])))"))  # timm itself ignores the file
+    cases.append(_api("timm file overlay", "ignored", "sigma_min", "timm.create_model('ssogvit_vit_tiny_ssog', "
+                      "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), sigma_min=0.5)"))
+    cases.append(_api("rescale_field", "range", "grid ratios",
+                      "create_model('vit-tiny-ssog', **TINY).rescale_field(float('inf'), 1.0)"))
     cases.append(_api("timm pyramid", "range", "patch_size", "timm.create_model('ssogvit_vit_tiny_ssog_pyramid', "
                       "**dict(TINY, patch_size=2))"))
     dm = "create_datamodule('synthetic', {})"
@@ -249,6 +253,7 @@ def _train_cases() -> list[Case]:
         ("data.img_size=100000", "huge", "img_size"), ("data.img_size=16384", "huge", "img_size"),
         ("optim.lr=nan", "range", "optim.lr"), ("optim.lr=-1", "range", "optim.lr"),
         ("optim.opt=nope", "unknown", "optim.opt"), ("seed=abc", "type", "seed"), ("seed=-1", "range", "seed"),
+        ("trainer.precision=16-mixed", "unknown", "trainer.precision"),  # mixed precision on the CPU
         ("sched.warmup_epochs=-1", "range", "sched.warmup_epochs"), ("loss.smoothing=2", "range", "loss.smoothing"),
         ("loss.jasmin.reduce=sum", "unknown", "loss.jasmin.reduce"),
         ("mixup.mixup_alpha=-1", "range", "mixup.mixup_alpha"),
@@ -428,6 +433,10 @@ def _analyze_cases() -> list[Case]:
         _cli("analyze", "read-only", "--out", "analyze", "atoms", "--ckpt", "{ckpt}", "--out", "{ro}/an"),
         _cli("analyze", "existing", "atoms.json", "analyze", "atoms", "--ckpt", "{ckpt}", "--out", "{analysis}"),
         _cli("analyze", "missing", "--ckpt", "analyze", "atoms", "--out", "{tmp}/an"),
+        _cli("analyze", "ignored", "--img-sizes", "analyze", "transfer", "--ckpt", "{export}", "--img-sizes", "18",
+             "--out", "{tmp}/an"),  # not a multiple of the patch 4: it was evaluated at 16 or dropped
+        _cli("analyze", "ignored", "--data", "analyze", "sinks", "--ckpt", "{export}", "--data", "digits", "--out",
+             "{tmp}/an"),  # the export records its own data (synthetic)
     ]
     return cases
 

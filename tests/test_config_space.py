@@ -120,6 +120,9 @@ def _check_forward(pair, batch, grid_h, grid_w, off):
     classes = config["num_classes"]
     if config.get("task"):
         assert y.shape == (batch, classes, grid_h * p, grid_w * p)
+    elif config.get("global_pool") == "":  # no pooling: the head on every token (prefix tokens included)
+        tokens = model.num_prefix_tokens + grid_h * grid_w
+        assert y.shape == (batch, tokens, classes if classes else model.num_features)
     else:
         assert y.shape == (batch, classes if classes else model.num_features)
     if p > 1:

@@ -544,4 +544,23 @@ def test_unknown_global_pool_is_a_value_error_naming_the_valid_ones(family):
     from ssogvit.models import FAMILIES as CLASSES
 
     with pytest.raises(ValueError, match=r"global_pool"):  # the classes check it too, not only create_model
-        CLASSES[family](global_pool="", embed_dim=192, num_heads=3, depth=1, num_classes=2)
+        CLASSES[family](global_pool="max", embed_dim=192, num_heads=3, depth=1, num_classes=2)
+
+
+@pytest.mark.parametrize("change", ["prune", "reset"])
+def test_a_head_without_pooling_is_recorded_so_the_config_rebuilds_the_model(change):
+    """Audit D139-D141: `prune_intermediate_layers` (timm's prune_head) and `reset_classifier(0, "")` leave a model
+    that returns the unpooled tokens; its config recorded the old pool, so `create_model(**config)` rebuilt a model
+    that pooled."""
+    torch.manual_seed(0)
+    m = create_model("vit-tiny-ssog", img_size=16, patch_size=4, depth=2, embed_dim=16, num_heads=2,
+                     num_classes=3).eval()
+    if change == "prune":
+        m.prune_intermediate_layers(1)
+    else:
+        m.reset_classifier(0, global_pool="")
+    assert m.config["global_pool"] == ""
+    again = create_model(**m.config).eval()
+    again.load_state_dict(m.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    assert m(x).shape == again(x).shape == (2, 17, 16) and torch.equal(m(x), again(x))

@@ -112,6 +112,24 @@ def test_a_warm_up_longer_than_the_run_is_said_not_silently_capped():
         step_cosine_schedule(opt, SimpleNamespace(estimated_stepping_batches=39, max_epochs=4), {"warmup_epochs": 1})
 
 
+def test_a_floor_above_the_peak_learning_rate_is_said():
+    """Audit D212: `sched.min_lr=1` above the peak rate made the cosine "decay" rise to 1 without a word."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ssogvit.train.module import step_cosine_schedule
+
+    trainer = SimpleNamespace(estimated_stepping_batches=39, max_epochs=4)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.002)
+    with pytest.warns(UserWarning, match=r"sched.min_lr=1 is above the peak learning rate 0.002"):
+        step_cosine_schedule(opt, trainer, {"min_lr": 1.0, "warmup_epochs": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a floor below the peak says nothing
+        step_cosine_schedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.002), trainer,
+                             {"min_lr": 1e-5, "warmup_epochs": 1})
+
+
 def test_optimizer_betas_are_checked_before_the_run():
     """`optim.betas=[2,3]` ended in a traceback from the optimizer mid-launch, the folder left 'running'."""
     from ssogvit.train.config import compose

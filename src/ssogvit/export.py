@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from ssogvit.errors import ArgumentParser, UsageError, debug_enabled, report_errors
+from ssogvit.errors import ArgumentParser, InputError, UsageError, debug_enabled, report_errors
 from ssogvit.extras import require_extra
 from ssogvit.documents import input_file
 from ssogvit.resources import check_memory
@@ -181,6 +182,8 @@ def export_model(
                          f"patch {patch}")
     path = Path(path)
     model.eval()
+    with torch.no_grad():  # an example the model refuses is refused in the model's words, not the exporter's
+        model(example)
     batch = {0: torch.export.Dim("batch")} if "batch" in dims else {}
     size = {2: patch * torch.export.Dim("grid_h"), 3: patch * torch.export.Dim("grid_w")} if "size" in dims else {}
     with torch.no_grad(), warnings.catch_warnings():
@@ -203,7 +206,27 @@ def export_model(
 
 
 def load_exported(path: str | Path, *, format: str):
-    """A callable ``images -> outputs`` running the exported file (ONNX through onnxruntime on the CPU)."""
+    """A callable ``images -> outputs`` running the exported file (ONNX through onnxruntime on the CPU). A file that
+    is not of ``format`` (or not readable as one) is an ``InputError`` in one line, the loader's own log silenced."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; expected one of {list(FORMATS)}")
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.CRITICAL)  # torch.export logs a traceback of its own before it raises
+    try:
+        return _load_exported(path, format)
+    except ImportError:  # onnxruntime missing: the extra's own message (ssogvit.extras)
+        raise
+    except Exception as err:
+        detail = _first_line(err)
+        detail = "" if "warnings above" in detail else f" ({type(err).__name__}: {detail})"  # the log is silenced
+        raise InputError(f"{path} cannot be read as format {format!r}{detail}; give the format it was written in, "
+                         f"one of {list(FORMATS)}", argument="format") from None
+    finally:
+        torch_log.setLevel(level)
+
+
+def _load_exported(path: str | Path, format: str):
     if format == "onnx":
         import onnxruntime
 

@@ -21,7 +21,14 @@ from ssogvit.errors import InputError
 from ssogvit.resources import check_memory
 from ssogvit.specs import IMG_SIZE, PATCH_SIZE, SEED, Float, Int, Ints, Spec
 from ssogvit.layers import is_ssog
-from ssogvit.outputs import OVERWRITE_FLAG, OutputExistsError, check_output_folder, staged_outputs, write_json
+from ssogvit.outputs import (
+    OVERWRITE_FLAG,
+    OutputExistsError,
+    check_output_folder,
+    check_replaceable,
+    staged_outputs,
+    write_json,
+)
 from ssogvit.results import fmt, jsonable, markdown_table, write_markdown
 from ssogvit.train.config import split_override
 
@@ -49,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="option for every --model (YAML value), e.g. depth=4; default: the dataset's classes, "
                    "channels and image size, and patch_size = img_size // 8 below 128 px")
     p.add_argument("--label", action="append", default=[], help="names for the models, in order (--ckpt first)")
-    p.add_argument("--data", default="digits", help="dataset of the evaluation images when a run has no config")
+    p.add_argument("--data", default=None, help="dataset of the evaluation images when the checkpoint records none "
+                   "(default digits)")
     p.add_argument("--num-images", type=Int(1, 100_000).argparse, default=64,
                    help="validation images for sinks and steering")
     p.add_argument("--transfer-images", type=Int(1, 100_000).argparse, default=None,
@@ -181,8 +189,13 @@ def run_lipschitz(models, cfg, args, out: Path) -> dict:
         md += "Fixed SSoG: Proposition-1 bound and power-iteration estimate (float64).\n\n"
         md += markdown_table(["model", "mixer", "bound", "estimate", "estimate / bound"], fixed) + "\n"
     if steered:
+        steps = sorted({row["iters"] for rep in reports.values() for row in rep["steered"]})
         md += ("Steered SSoG: largest local constant ||J(x)||₂ found with every token of norm r, and the "
-               "Proposition-1 bound of the geometry frozen at those inputs.\n\n")
+               f"Proposition-1 bound of the geometry frozen at those inputs ({', '.join(map(str, steps))} "
+               "power-iteration steps).\n\n")
+        if args.iters > max(steps):
+            print(f"lipschitz: --iters {args.iters}: the steered mixers' estimates take {max(steps)} steps, the most "
+                  "they take (docs/analysis.md)")
         md += markdown_table(["model", "mixer", "r", "local ||J||", "frozen bound"], steered)
     files = _write(out, "lipschitz", reports, md, plot_lipschitz(reports, out / "lipschitz.png"))
     for label, rep in reports.items():
@@ -265,6 +278,11 @@ def run_transfer(models, cfg, args, out: Path) -> dict:
         sizes = args.img_sizes
         if sizes is None:
             sizes = [int(round(0.75 * s0)), int(round(1.5 * s0))]
+        patch = int(m.patch_size)
+        bad = [size for size in (args.img_sizes or []) if size % patch]
+        if bad:  # it would be evaluated at the nearest multiple, or dropped where that is the trained size
+            raise UsageError(f"--img-sizes {bad[0]} is not a multiple of the patch size {patch} of {label}; give "
+                             f"multiples of {patch}")
         for size in sizes:
             check_memory(m.forward_bytes(1, size) + 4 * m.in_chans * size**2 * (args.transfer_images or 1),
                          f"the transfer images of {size} px", "--img-sizes")
@@ -358,7 +376,10 @@ def _run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     todo = ANALYSES if args.what == "all" else (args.what,)
     out = check_output_folder(args.out, "--out")
-    existing = [str(out / f"{w}.{ext}") for w in todo for ext in ("json", "md") if (out / f"{w}.{ext}").exists()]
+    planned = [out / f"{w}.{ext}" for w in todo for ext in ("json", "md")]
+    for path in planned:  # before any work: a link, a folder or a device there is never replaced, asked or not
+        check_replaceable(path, "--out")
+    existing = [str(path) for path in planned if path.exists()]
     if existing and not args.overwrite:  # before any work; the rest (pictures) is checked when they are written
         raise OutputExistsError(f"--out: {', '.join(existing[:3])} already exist(s); pass {OVERWRITE_FLAG} to "
                                 "replace, or choose another folder", argument="--out")

@@ -198,6 +198,10 @@ def local_lipschitz_growth(
     return rows
 
 
+#: the most power-iteration steps of a steered mixer's local estimate (each step differentiates the mixer again)
+STEERED_ITERS = 15
+
+
 def lipschitz_report(
     model: nn.Module, *, radii: Sequence[float] | None = None, iters: int = 30, seed: int = 0,
     samples: int = 2, max_steered: int | None = 3,
@@ -222,8 +226,9 @@ def lipschitz_report(
                 continue
             scale = math.sqrt(mixer.v.in_features)
             rs = list(radii) if radii is not None else [f * scale for f in (0.5, 1.0, 2.0, 4.0)]
-            out["steered"].append({"layer": name, "growth": local_lipschitz_growth(
-                mixer, grid, prefix, radii=rs, samples=samples, iters=min(iters, 15), seed=seed)})
+            steps = min(iters, STEERED_ITERS)
+            out["steered"].append({"layer": name, "iters": steps, "growth": local_lipschitz_growth(
+                mixer, grid, prefix, radii=rs, samples=samples, iters=steps, seed=seed)})
         else:
             bound = lipschitz_bound(mixer, grid, prefix)
             est = lipschitz_estimate(mixer, grid, prefix, iters=iters, seed=seed)

@@ -4,7 +4,14 @@
 from ssogvit.layers.attention import Attention
 from ssogvit.layers.linear import LinearAttention
 from ssogvit.layers.neighborhood import NEIGHBORHOOD_IMPLS, NeighborhoodAttention
-from ssogvit.layers.registry import MIXERS, create_mixer, default_pool, list_mixers, mixer_options
+from ssogvit.layers.registry import (
+    MIXERS,
+    create_mixer,
+    default_pool,
+    list_mixers,
+    mixer_option_defaults,
+    mixer_options,
+)
 from ssogvit.layers.ssog import SSOG_IMPLS, STEER_PATHS, SSoGAttention, is_ssog
 from ssogvit.layers.window import WindowAttention
 
@@ -22,5 +29,6 @@ __all__ = [
     "default_pool",
     "is_ssog",
     "list_mixers",
+    "mixer_option_defaults",
     "mixer_options",
 ]

@@ -14,7 +14,7 @@ from ssogvit.layers.neighborhood import NeighborhoodAttention
 from ssogvit.layers.ssog import STEER_PATHS, SSoGAttention
 from ssogvit.layers.window import WindowAttention
 
-__all__ = ["MIXERS", "create_mixer", "list_mixers", "mixer_options", "default_pool"]
+__all__ = ["MIXERS", "create_mixer", "list_mixers", "mixer_options", "mixer_option_defaults", "default_pool"]
 
 # name -> (class, defaults that define the name)
 MIXERS: dict[str, tuple[type[nn.Module], dict[str, Any]]] = {
@@ -38,6 +38,15 @@ def mixer_options(name: str) -> list[str]:
     cls, _ = _lookup(name)
     params = inspect.signature(cls.__init__).parameters
     return [p for p in params if p not in ("self", "dim", "num_heads")]
+
+
+def mixer_option_defaults(name: str) -> dict[str, Any]:
+    """The value each keyword option of the named mixer takes when not given: the name's own (``"ssog-steered"``
+    steers) or the class's default."""
+    cls, preset = _lookup(name)
+    params = inspect.signature(cls.__init__).parameters
+    return {p: preset.get(p, v.default) for p, v in params.items()
+            if p not in ("self", "dim", "num_heads") and v.default is not inspect.Parameter.empty}
 
 
 def default_pool(name: str) -> str:

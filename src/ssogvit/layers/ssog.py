@@ -323,8 +323,9 @@ class SSoGAttention(nn.Module):
     def rescale_field(self, factor_y: float, factor_x: float) -> None:
         """Scale the field in place by a grid ratio (docs/models.md, patch-size transfer): ``mu`` and ``sigma`` per
         axis (``sigma`` through ``rho``, see ``rho_for``), the steering radius by the geometric mean of the factors."""
-        if not (factor_y > 0 and factor_x > 0):
-            raise ValueError(f"grid ratios must be positive, got ({factor_y}, {factor_x})")
+        if not (0 < factor_y < math.inf and 0 < factor_x < math.inf):
+            raise InputError(f"grid ratios must be positive and finite, got ({factor_y}, {factor_x})",
+                             argument="factor")
         factor = torch.tensor([factor_y, factor_x], dtype=self.mu.dtype, device=self.mu.device)
         self.rho.copy_(self.rho_for(self.sigma() * factor))
         self.mu.mul_(factor)

@@ -297,7 +297,8 @@ class VisionTransformerBase(TimmVisionTransformer):
             tokens (class and register tokens excluded); ``None`` (default): the head that suits the mixer
             (``ssogvit.layers.default_pool``: ``"avg"`` for SSoG, whose class token cannot select and under whose
             class-token head the last block's field gets no gradient; ``"token"`` for the attention mixers). The
-            paper's configs set ``"token"`` (docs/models.md, "The default head").
+            paper's configs set ``"token"`` (docs/models.md, "The default head"); ``""``: no pooling, the head
+            applied to every token (what ``reset_classifier(n, "")`` and ``prune_intermediate_layers`` leave).
         drop_path_rate: stochastic depth (what it means is the family's: see ``_steps``).
         mlp_ratio: MLP hidden width over ``D``.
         dynamic_img_size: timm's keyword, accepted for code that passes it to every timm ViT; the models take any
@@ -337,7 +338,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         in_chans: Annotated[int, IN_CHANS] = 3,
         num_classes: Annotated[int, NUM_CLASSES] = 1000,
         num_registers: Annotated[int, NUM_REGISTERS] = 0,
-        global_pool: Annotated[str | None, Choice(GLOBAL_POOLS, none=True)] = None,
+        global_pool: Annotated[str | None, Choice((*GLOBAL_POOLS, ""), none=True)] = None,
         drop_path_rate: Annotated[float, DROP_RATE] = 0.0,
         mlp_ratio: Annotated[float, MLP_RATIO] = 4.0,
         dynamic_img_size: Annotated[bool, Flag()] = True,
@@ -509,7 +510,7 @@ class VisionTransformerBase(TimmVisionTransformer):
         # timm records fc_norm for rebuilding its own ViT; ours always normalise before pooling (no such option)
         getattr(self, "_model_args", {}).pop("fc_norm", None)
         self.config["num_classes"] = num_classes
-        if global_pool:
+        if global_pool is not None:  # "" too: no pooling (what prune_intermediate_layers' prune_head asks for)
             self.config["global_pool"] = global_pool
 
     def save_pretrained(self, save_directory: str | Path, *, overwrite: bool = True) -> Path:
@@ -551,6 +552,9 @@ class VisionTransformerBase(TimmVisionTransformer):
         """Images ``(B, C, H, W)`` -> tokens ``(B, P + N, D)`` with position embedding, and their grid ``(Gh, Gw)``,
         which every block application takes as an argument."""
         check_images(x)
+        if x.shape[1] != self.in_chans:
+            raise InputError(f"images {tuple(x.shape)} have {x.shape[1]} channels; this model takes {self.in_chans}",
+                             argument="images")
         h, w = x.shape[-2:]
         p = self.patch_size
         if (h % p or w % p) and not self.patch_embed.dynamic_img_pad:

@@ -199,7 +199,8 @@ class ODEViT(VisionTransformerBase):
     family_options = dict(solver="euler", scale=None, norm="layernorm", rtol=1e-3, atol=1e-4, adjoint=False)
     #: an adaptive solver's tolerances: a fixed-grid solver takes ``depth`` steps whatever they say
     option_applies = dict.fromkeys(("rtol", "atol"), AppliesOnly(
-        lambda o: o["solver"] in ADAPTIVE_SOLVERS, f"an adaptive solver (solver= one of {', '.join(ADAPTIVE_SOLVERS)})"))
+        lambda o: o["solver"] in ADAPTIVE_SOLVERS,
+        f"an adaptive solver (solver= one of {', '.join(ADAPTIVE_SOLVERS)})"))
     shared_block = True
 
     def _check_options(self, options: dict[str, Any], *, drop_path_rate: float) -> dict[str, Any]:

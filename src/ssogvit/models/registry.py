@@ -31,7 +31,7 @@ import torch
 from ssogvit.documents import MAX_PARAMETERS, DocumentError, check_no_interpolation, read_document
 from ssogvit.errors import InputError
 from ssogvit.resources import format_bytes
-from ssogvit.layers import list_mixers, mixer_options
+from ssogvit.layers import list_mixers, mixer_option_defaults, mixer_options
 
 from ._common import SAVED_FOLDER_CHECK, SIZES, VisionTransformerBase
 from .dense import NUM_LEVELS, PyramidViT, SegmentationModel, check_pyramid_patch, pyramid_scales
@@ -188,9 +188,14 @@ def check_model_config(config: Any, *, source: str | os.PathLike = "the model co
     The values are checked by the model's and the mixer's own declarations, building on the meta device (shapes
     only, no memory); so is the parameter count.
     """
-    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
-        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {type(config).__name__}",
+    if isinstance(config, Mapping) and "timm_model" in config and "name" not in config:  # convert's timm student
+        raise DocumentError(f"{source}: the student of a timm teacher ({config['timm_model']}), an ssogified timm "
+                            "model: load it with ssogvit.convert.load_converted (docs/conversion.md)",
                             argument=str(source))
+    if not isinstance(config, Mapping) or not isinstance(config.get("name"), str):
+        got = f"a dict without a name (keys {', '.join(map(str, list(config)[:5]))})" if isinstance(
+            config, Mapping) else type(config).__name__
+        raise DocumentError(f"{source}: model_config must be a dict with a 'name', got {got}", argument=str(source))
     config = dict(config)
     check_no_interpolation(config, str(source))
     placement = sorted({"device", "dtype"} & set(config))
@@ -367,13 +372,17 @@ FILE_MAY_DIFFER = ("num_classes", "img_size", "drop_path_rate", "global_pool", "
 def _as_file_builds(kwargs: dict[str, Any], saved: Mapping[str, Any], keys: list[str], file: Any) -> None:
     """``kwargs`` completed with the file's config ``saved`` (its ``keys``); a keyword that contradicts the file
     (``FILE_MAY_DIFFER`` aside) is an ``InputError`` naming it, the value given and the file's."""
-    for key in keys:
-        given = kwargs.get(key, saved[key])
-        if key not in FILE_MAY_DIFFER and json.dumps(given, default=str) != json.dumps(saved[key], default=str):
+    built = dict(saved)  # a mixer option the file does not record was built at the mixer's default
+    if isinstance(saved.get("name"), str):
+        built = {**mixer_option_defaults(parse_model_name(saved["name"])[2]), **built}
+    for key in [*keys, *(k for k in kwargs if k in built and k not in saved)]:
+        given = kwargs.get(key, built[key])
+        if key not in FILE_MAY_DIFFER and json.dumps(given, default=str) != json.dumps(built[key], default=str):
             raise InputError(f"{key}={given!r} contradicts {file}, whose weights were built with {key}="
-                             f"{saved[key]!r}: leave {key} out (the file's value is used) or load weights built "
+                             f"{built[key]!r}: leave {key} out (the file's value is used) or load weights built "
                              f"with {key}={given!r}", argument=key)
-        kwargs.setdefault(key, saved[key])
+        if key in saved:
+            kwargs.setdefault(key, saved[key])
 
 
 def _pretrained_cfg(tname: str, name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:

@@ -181,7 +181,7 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from .errors import ConfigError
-    from .io import checkpoint_files, load_model, weights_path
+    from .io import checkpoint_files, holds_ema_weights, load_model, weights_path
 
     args.ckpt = str(weights_path(args.ckpt))  # a save_pretrained folder stands for its model.safetensors
     other = [o for o in overrides if not split_override(o)[0].startswith("data") or "=" not in o]
@@ -237,14 +237,15 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     except (ValueError, RuntimeError) as err:  # the model refuses this input (grid, channels)
         raise ConfigError(f"the model cannot evaluate this data: {str(err).splitlines()[0]}") from None
     patch = getattr(model, "patch_size", None)
+    ema = holds_ema_weights(args.ckpt, use_ema=args.ema)  # an EMA export holds EMA weights without --ema
     result.update(ckpt=str(args.ckpt), model=model.config.get("name"), img_size=dm.img_size,
                   patch_size=_side(patch), rescale_field=bool(args.rescale_field), split="validation",
-                  weights="ema" if args.ema else "raw")  # what the figure is of: said, not left to the reader
+                  weights="ema" if ema else "raw")  # what the figure is of: said, not left to the reader
     if task == "segmentation":
         scores = f"mIoU {result['miou']:.2f}%  pixel accuracy {result['pixel_acc']:.2f}%"
     else:
         scores = f"top-1 {result['top1']:.2f}%  top-3 {result['top3']:.2f}%  top-5 {result['top5']:.2f}%"
-    print(f"{result['model']}{' (EMA weights)' if args.ema else ''} at {result['img_size']} px, patch "
+    print(f"{result['model']}{' (EMA weights)' if ema else ''} at {result['img_size']} px, patch "
           f"{result['patch_size']}, validation split: {scores}  loss {result['loss']:.4f}  ({result['images']} images)")
     if args.json:
         write_json(args.json, result, overwrite=args.overwrite, default=str)

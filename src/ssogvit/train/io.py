@@ -42,7 +42,7 @@ from .errors import CheckpointError, NonFiniteError
 
 __all__ = [
     "CheckpointError", "build_model", "count_parameters", "load_model", "read_checkpoint", "read_state_dict",
-    "read_model_config", "read_sealed", "sealed_data_config", "check_checkpoint",
+    "read_model_config", "read_sealed", "sealed_data_config", "check_checkpoint", "holds_ema_weights",
     "export_safetensors", "list_checkpoints", "atomic_checkpoint_io", "atomic_write",
     "content_digest", "DIGEST_KEY", "MAX_PARAMETERS", "checkpoint_files",
 ]
@@ -213,6 +213,12 @@ def _file_model_config(config: Any, source: str | Path) -> dict[str, Any]:
 
 def _is_ema_export(path: Path, meta: Mapping[str, Any]) -> bool:
     return meta.get("weights") == "ema" or path.stem.endswith("_ema")
+
+
+def holds_ema_weights(path: str | Path, *, use_ema: bool = False) -> bool:
+    """Whether what `load_model(path, use_ema=use_ema)` loads are EMA weights: asked for, or an EMA export."""
+    path = weights_path(path)
+    return use_ema or (path.suffix == ".safetensors" and _is_ema_export(path, _export_meta(path)[0]))
 
 
 def read_state_dict(path: str | Path, *, use_ema: bool = False,

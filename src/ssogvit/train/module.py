@@ -56,6 +56,11 @@ def step_cosine_schedule(optimizer: torch.optim.Optimizer, trainer: Any,
         rank_zero_warn(f"sched.warmup_epochs={sched.warmup_epochs:g} covers the whole run ({epochs} epochs): the "
                        f"warm-up is capped at {total - 1} of its {total} steps, so the learning rate peaks at the end; "
                        f"give fewer warm-up epochs for a schedule that decays")
+    peak = max(group.get("initial_lr", group["lr"]) for group in optimizer.param_groups)  # timm keeps the base
+    if float(sched.min_lr) > peak:  # said, not silently followed: the "decay" would rise to its floor
+        rank_zero_warn(f"sched.min_lr={float(sched.min_lr):g} is above the peak learning rate {peak:g} (optim.lr "
+                       f"scaled by the batch over optim.lr_base_batch): the cosine schedule rises from the peak to "
+                       f"that floor; give a smaller sched.min_lr (or a larger optim.lr) for one that decays")
     scheduler = CosineLRScheduler(
         optimizer, t_initial=total, lr_min=float(sched.min_lr), warmup_t=min(warmup, total - 1),
         warmup_lr_init=float(sched.warmup_lr), t_in_epochs=False,

@@ -187,12 +187,15 @@ def table_markdown(table: int | None, paper_rows: list[dict[str, Any]], runs: li
         return (f"{best:.2f} ({epoch}) | {run.final_top1():.2f} | {run.data} | {run.epochs_done}/{run.max_epochs}"
                 f"{'' if run.epochs_done >= run.max_epochs else ' (unfinished)'}")
 
-    if table is None:
-        lines[0] = lines[0].replace("| Row | Experiment | Paper Acc@1 |", "| Run |")
-        lines[1] = "|---|---|---|---|---|"
-        lines += [f"| {run.name} | {ours(run)} |" for run in runs]
+    if table is None:  # each run by its folder (seeds of one experiment share a name), its test figure where it has one
+        lines[0] = lines[0].replace("| Row | Experiment | Paper Acc@1 |", "| Run | Folder | Seed |") + (
+            " Final weights' test top-1 |")
+        lines[1] = "|---|---|---|---|---|---|---|---|"
+        lines += [f"| {run.name} | {run.path.name} | {run.seed} | {ours(run)} | {_fmt(run.test_top1)} |"
+                  for run in runs]
         title = ("Runs: validation top-1 (%) of the raw weights (not EMA), the best epoch's and the final epoch's; "
-                 "epochs counted from 1. The held-out test split's figures are in models.md.")
+                 "epochs counted from 1; the final weights' top-1 on the held-out test split where the data have "
+                 "one (else missing).")
         return f"{title}\n\n" + "\n".join(lines) + "\n"
     for row in paper_rows:
         matching = [r for r in runs if any(int(m["table"]) == table and m["row"] == row["row"] for m in r.rows)]
@@ -576,4 +579,5 @@ def _plot_twin_curves(runs: list[RunLog], path: Path) -> None:
     for run in sorted(runs, key=lambda r: (r.family, GAP_MIXERS.index(r.mixer) if r.mixer in GAP_MIXERS else 9)):
         groups.setdefault(f"{run.family} {run.mixer} ({run.head})", []).append(run.path)
     plot_training_curves(groups, path, title="CPU-sized twins of the paper's runs: mean over seeds (band: range)",
-                         overwrite=True, row_of=lambda label: label.split()[0])  # a fresh staging folder: `_report` has refused existing files unless asked
+                         overwrite=True,  # a fresh staging folder: `_report` has refused existing files unless asked
+                         row_of=lambda label: label.split()[0])  # a row of panels per family

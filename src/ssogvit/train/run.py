@@ -46,11 +46,17 @@ NO_RESUME = (None, False, "null", "none", "false")
 
 
 def resolve_precision(precision: Any, accelerator: str) -> str:
-    """`auto` becomes `16-mixed` on CUDA and `32-true` elsewhere (mixed precision is a GPU-only setting here)."""
-    if str(precision) != "auto":
-        return str(precision)
+    """`auto` becomes `16-mixed` on CUDA and `32-true` elsewhere; mixed precision is a GPU-only setting here, so a
+    mixed precision asked for without a GPU is a `ConfigError` (Lightning would switch `16-mixed` to `bf16-mixed` on
+    the CPU and the first optimiser step would fail, after the run had begun)."""
     on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    return "16-mixed" if on_gpu else "32-true"
+    if str(precision) == "auto":
+        return "16-mixed" if on_gpu else "32-true"
+    if "mixed" in str(precision) and not on_gpu:
+        raise ConfigError(f"trainer.precision={precision}: mixed precision needs a GPU (trainer.accelerator="
+                          f"{accelerator}{'' if torch.cuda.is_available() else ', no CUDA here'}); on the CPU use "
+                          "32-true, or leave it auto")
+    return str(precision)
 
 
 def build_datamodule(cfg: DictConfig):
