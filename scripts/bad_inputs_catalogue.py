@@ -254,6 +254,7 @@ def _train_cases() -> list[Case]:
         ("optim.lr=nan", "range", "optim.lr"), ("optim.lr=-1", "range", "optim.lr"),
         ("optim.opt=nope", "unknown", "optim.opt"), ("seed=abc", "type", "seed"), ("seed=-1", "range", "seed"),
         ("trainer.precision=16-mixed", "unknown", "trainer.precision"),  # mixed precision on the CPU
+        ("loss.jasmin.reduce=max", "ignored", "loss.jasmin.reduce"),  # softmax-jacobian's option
         ("sched.warmup_epochs=-1", "range", "sched.warmup_epochs"), ("loss.smoothing=2", "range", "loss.smoothing"),
         ("loss.jasmin.reduce=sum", "unknown", "loss.jasmin.reduce"),
         ("mixup.mixup_alpha=-1", "range", "mixup.mixup_alpha"),
@@ -275,6 +276,8 @@ def _train_cases() -> list[Case]:
         extra = ("data.batch_size=1024",) if kind == "huge" else ()  # terabytes: more than any machine holds
         cases.append(_cli("train", kind, needle, "train", *run, "output_dir={tmp}/out", override, *extra))
     cases += [
+        _cli("train", "ignored", "optim.betas", "train", *run, "output_dir={tmp}/out", "optim.opt=sgd",
+             "optim.betas=[0.5,0.9]"),  # SGD has no moments
         _cli("train", "existing", "finished run", "train", *run, "output_dir={run}"),
         _cli("train", "file-for-folder", "output_dir", "train", *run, "output_dir={file}"),
         _cli("train", "read-only", "ro", "train", *run, "output_dir={ro}/out"),

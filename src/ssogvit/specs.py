@@ -326,10 +326,11 @@ class AppliesOnly:
 
 
 def check_applies(rules: Mapping[str, AppliesOnly], given: Mapping[str, Any], defaults: Mapping[str, Any],
-                  arguments: Mapping[str, Any]) -> None:
+                  arguments: Any) -> None:
     """`InputError` for the first option of `rules` that the caller `given` at another value than its default while
-    its rule does not apply to `arguments` (every argument, defaults included). An option left at its default passes:
-    a saved config records every option, and rebuilding from it must not fail."""
+    its rule does not apply to `arguments` (what the rules' `when` reads: every argument of a call, defaults
+    included, or a run config's `v(dotted key)`). An option left at its default passes: a saved config records every
+    option, and rebuilding from it must not fail."""
     for name, rule in rules.items():
         if name in given and _differs(given[name], defaults.get(name)) and not rule.when(arguments):
             shown = repr(given[name]) if len(repr(given[name])) <= 60 else repr(given[name])[:57] + "..."

@@ -26,7 +26,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ssogvit.errors import InputError
-from ssogvit.specs import BATCH_SIZE, IMG_SIZE, NUM_WORKERS, SEED, Choice, Flag, Float, Int, Items, Spec
+from ssogvit.specs import (
+    BATCH_SIZE,
+    IMG_SIZE,
+    NUM_WORKERS,
+    SEED,
+    AppliesOnly,
+    Choice,
+    Flag,
+    Float,
+    Int,
+    Items,
+    Spec,
+    check_applies,
+)
 
 __all__ = [
     "RunSettings", "TrainerSettings", "ProgressSettings", "ClusterSettings", "OptimSettings", "SchedSettings",
@@ -39,9 +52,11 @@ __all__ = [
 RUN_DEFAULTS_NAME = "run_defaults"
 
 
-def setting(default: Any, spec: Spec | None = None, doc: str = "") -> Any:
-    """A field of a settings class: its default, its check (`None`: any value) and its help line."""
-    metadata = {"spec": spec, "doc": doc}
+def setting(default: Any, spec: Spec | None = None, doc: str = "", *, applies: AppliesOnly | None = None) -> Any:
+    """A field of a settings class: its default, its check (`None`: any value), its help line and (`applies`) the
+    settings of the others it needs: given off its default where they leave it unused, it is refused
+    (`check_values`), never recorded and ignored. `applies.when` takes `v(dotted key)`, as `CONSTRAINTS` do."""
+    metadata = {"spec": spec, "doc": doc, "applies": applies}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -111,6 +126,13 @@ class ClusterSettings:
     constraint: str | None = setting(None)
 
 
+#: timm optimizers without Adam-type moments (no betas, no eps in the denominator)
+PLAIN_OPTIMIZERS = ("sgd", "momentum", "nesterov", "sgdp", "sgdw", "rmsprop", "rmsproptf", "adagrad", "adadelta",
+                    "lars", "larc", "nlars", "nlarc")
+_MOMENTS = AppliesOnly(lambda v: str(v("optim.opt")).lower().split("_")[-1] not in PLAIN_OPTIMIZERS,
+                       "an Adam-type optimizer (optim.opt=adamw, adam, lamb, ...; not sgd, rmsprop, adagrad, ...)")
+
+
 @dataclass
 class OptimSettings:
     """`optim`: the optimizer (`timm.optim.create_optimizer_v2`)."""
@@ -121,8 +143,8 @@ class OptimSettings:
     lr_base_batch: float | None = setting(512, Float(0, low_open=True, none=True), "null: lr is not scaled")
     weight_decay: float = setting(0.05, Float(0), "not applied to the model's no_weight_decay() set, norms and biases")
     betas: list[float] = setting([0.9, 0.999], Items(Float(0, 1, high_open=True), min_len=2, max_len=2),
-                                 "Adam-type optimizers' moment decays")
-    eps: float = setting(1.0e-8, Float(0))
+                                 "Adam-type optimizers' moment decays", applies=_MOMENTS)
+    eps: float = setting(1.0e-8, Float(0), "Adam-type optimizers' denominator term", applies=_MOMENTS)
 
 
 @dataclass
@@ -143,7 +165,9 @@ class JasminSettings:
     k: int = setting(10, doc="jasmin: 0 for Eq. 8 (log g_1), k >= 2 for Eq. 9 (log g_1/g_k); ODE-ViT trains with 10")
     maps: str = setting("last", doc="last: the last attention map of the forward (ODE-ViT); all: mean over every map")
     reduce: str = setting("mean", Choice(("mean", "max")),
-                          "softmax-jacobian only: mean over rows, heads, maps, images; max: worst row per image")
+                          "softmax-jacobian only: mean over rows, heads, maps, images; max: worst row per image",
+                          applies=AppliesOnly(lambda v: v("loss.jasmin.kind") == "softmax-jacobian",
+                                              "loss.jasmin.kind=softmax-jacobian"))
 
 
 @dataclass
@@ -334,6 +358,13 @@ def check_values(cfg: Any) -> None:
         node = OmegaConf.select(cfg, key, default=None)
         if not getattr(cls, "OPEN", False) and isinstance(node, Mapping):
             _refuse_unknown(cls, node, key)
+    for key, f in [*_walk(RunSettings), *_walk(DataSettings, "data.")]:
+        rule = f.metadata.get("applies")
+        value = OmegaConf.select(cfg, key, default=absent)
+        if rule is not None and value is not absent:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            check_applies({key: rule}, {key: value}, {key: default}, lambda k: OmegaConf.select(cfg, k, default=None))
     for contradicts, message in CONSTRAINTS:
         if contradicts(lambda key: OmegaConf.select(cfg, key, default=None)):
             raise InputError(message)
