@@ -51,14 +51,14 @@ def convert_main(argv: list[str]) -> int:
     overrides += [f"output_dir={args.out}"] if args.out else []
 
     def task(cfg) -> int:
-        from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
         from ssogvit.train.config import split_override
+        from ssogvit.train.hydra_app import task_overrides
 
         from .run import convert
 
-        unused = [o for o in HydraConfig.get().overrides.task if split_override(o)[0].split(".")[0] in UNUSED_KEYS]
+        unused = [o for o in task_overrides() if split_override(o)[0].split(".")[0] in UNUSED_KEYS]
         if unused:  # accepted by the base config, but a conversion never reads them
             raise UsageError(f"{unused[0]} has no effect on a conversion: the student is built from the teacher "
                              "(its mixer: convert.mixer, convert.mixer_options) and distilled with optim, sched and "

@@ -42,7 +42,7 @@ def _job_config(cfg: DictConfig) -> DictConfig:
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
-    sets_output = any(split_override(o)[0] == "output_dir" for o in hydra_cfg.overrides.task)
+    sets_output = any(split_override(o)[0] == "output_dir" for o in task_overrides())
     if hydra_cfg.mode == RunMode.MULTIRUN and not sets_output:
         OmegaConf.update(cfg, "output_dir", str(hydra_cfg.runtime.output_dir))
     return cfg

@@ -159,7 +159,7 @@ def _refuse_contradicting_model(cfg: DictConfig, source: dict[str, Any], src: An
         name = key.split(".", 2)[2] if key.startswith("model.kwargs.") else "name"
         if name == "num_classes" or name not in wanted:
             continue
-        given, saved = wanted[name], source.get(name, None if name != "name" else source.get("name"))
+        given, saved = wanted[name], source.get(name)
         if json.dumps(given, default=str) != json.dumps(saved, default=str):
             raise ConfigError(f"{override!r} contradicts the transfer's source (transfer.ckpt={src}), built with "
                               f"{'model' if name == 'name' else name}={saved!r}: a transfer trains the source's "

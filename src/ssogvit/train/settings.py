@@ -62,6 +62,11 @@ def setting(default: Any, spec: Spec | None = None, doc: str = "", *, applies: A
     return field(default=default, metadata=metadata)
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A setting's declared default (`dataclasses.MISSING` where the data group gives it)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def section(cls: type, doc: str) -> Any:
     """A field holding a nested section (`loss.jasmin`)."""
     return field(default_factory=cls, metadata={"section": cls, "doc": doc})
@@ -362,9 +367,9 @@ def check_values(cfg: Any) -> None:
         rule = f.metadata.get("applies")
         value = OmegaConf.select(cfg, key, default=absent)
         if rule is not None and value is not absent:
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            check_applies({key: rule}, {key: value}, {key: default}, lambda k: OmegaConf.select(cfg, k, default=None))
+            check_applies({key: rule}, {key: value}, {key: _default(f)},
+                          lambda k: OmegaConf.select(cfg, k, default=None))
     for contradicts, message in CONSTRAINTS:
         if contradicts(lambda key: OmegaConf.select(cfg, key, default=None)):
             raise InputError(message)
@@ -410,7 +415,7 @@ def settings_table(cls: type = RunSettings, prefix: str = "") -> list[str]:
 
     rows = []
     for key, f in _walk(cls, prefix):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = _default(f)
         spec = f.metadata.get("spec")
         accepted = spec.expected() + (", or null" if spec.none else "") if spec else "any"
         rows.append(f"| `{key}` | `{shown(default)}` | {accepted} | "
