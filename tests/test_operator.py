@@ -611,9 +611,10 @@ def test_steered_batch_slices_give_the_same_mixing_and_gradients(monkeypatch):
 
 def test_steered_layer_training_keeps_no_per_token_geometry():
     """The steered layer's training step keeps for backward what the fixed one keeps (its values and the mixed
-    output, besides the input, which the value projection keeps anyway): the per-token geometry and the steering
-    maps' outputs are recomputed in backward (``ops.ssog_mix_steered_by_tokens``), not kept (5 H R numbers per token and
-    their intermediates through tanh, exp and softmax). Gradients still match the unsaved dense reference."""
+    output, besides the input, which the value projection keeps anyway) and the steering maps' outputs (5 H R numbers
+    per token, which spare backward the maps' matmul): the per-token geometry is recomputed in backward
+    (``ops.ssog_mix_steered_by_tokens``), not kept (its ``mu``, ``s``, ``lambda`` and their intermediates through
+    tanh, exp and softmax). Gradients still match the unsaved dense reference."""
     dim, heads, atoms, grid = 48, 4, 4, (8, 8)
     kept = {}
     for steer in ((), STEER_PATHS):
@@ -635,11 +636,10 @@ def test_steered_layer_training_keeps_no_per_token_geometry():
         params = [x, *m.parameters()]
         for g, g_ref in zip(torch.autograd.grad((y * w).sum(), params), torch.autograd.grad((y_ref * w).sum(), params)):
             assert rel_err(g, g_ref) < 1e-10
-    activation, field = x.numel() * 8, 8 * heads * atoms * 8  # bytes: one activation, a few numbers per head and atom
-    assert kept[STEER_PATHS] <= 2 * activation + field  # values + mixed output; the geometry alone is 5/3 of one here
-    assert kept[STEER_PATHS] <= kept[()]
-
-
+    outputs = 2 * grid[0] * grid[1] * 5 * heads * atoms * 8  # bytes: the maps' outputs, 5 H R per patch token
+    field = 8 * heads * atoms * 8  # a few numbers per head and atom
+    assert kept[()] <= 2 * x.numel() * 8 + field  # values + mixed output
+    assert kept[STEER_PATHS] <= kept[()] + outputs + field  # the geometry and its intermediates are several times that
 @pytest.mark.parametrize("bad", ["kx_grid", "ky_heads", "lam_atoms", "no_heads", "heads_not_dividing", "lam_1d"])
 def test_fixed_mixing_refuses_kernels_that_do_not_fit_the_grid_or_each_other(bad):
     """The C kernel reads the tables by the grid's sizes: tables of another grid or head count must be refused in
@@ -671,18 +671,19 @@ def test_steered_backward_frees_the_values_while_the_output_lives_on():
 
 
 def test_steered_geometry_is_recomputed_under_the_forwards_autocast(monkeypatch):
-    """Backward runs outside the caller's ``torch.autocast`` block; the geometry it recomputes must be computed as
-    in the forward (bfloat16 steering maps), or its gradients belong to another function."""
+    """Backward runs outside the caller's ``torch.autocast`` block; the geometry it recomputes from the steering maps'
+    outputs must be computed as in the forward (under the same autocast), or its gradients belong to another
+    function."""
     m = make_mixer(STEER_PATHS, dim=12, heads=3, atoms=2).float()
     seen = []
-    plain = ops._token_geometry
+    plain = ops._output_geometry
 
     def spy(*args, **kwargs):
         out = plain(*args, **kwargs)
         seen.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
         return out
 
-    monkeypatch.setattr(ops, "_token_geometry", spy)
+    monkeypatch.setattr(ops, "_output_geometry", spy)
     x = torch.randn(2, 1 + 12, 12, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x, grid=(3, 4))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +37,12 @@ __all__ = [
     "kernel_scale",
     "mix_fixed",
     "mix_steered",
+    "output_geometry",
     "position_dtype",
     "prefix_pool",
     "steer_gate",
     "steered_geometry",
+    "steering_outputs",
     "token_bands",
     "token_geometry",
 ]
@@ -190,7 +192,8 @@ def steered_geometry(
 
 def token_geometry(tokens: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, *steering: Tensor, steer: tuple[str, ...],
                    radius: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``steered_geometry`` predicted from the (normalised) patch tokens by the steering maps.
+    """``steered_geometry`` predicted from the (normalised) patch tokens by the steering maps: ``steering_outputs``
+    of the maps, then ``output_geometry``.
 
     Args:
         tokens: ``(B, N, D)``.
@@ -204,16 +207,24 @@ def token_geometry(tokens: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, *stee
     Returns:
         ``mu (B, N, H, R, 2)``, ``sigma (B, N, H, R, 2)``, ``lambda (B, N, H, R)``.
     """
-    b, n, _ = tokens.shape
-    h, r = ell.shape
     k = len(steer)
-    alphas, maps = steering[:k], steering[k:]
-    residuals = {}
-    if k:  # the enabled maps run as one matmul over their stacked weights
-        weight = torch.cat(maps[0::2]) if k > 1 else maps[0]
-        bias = torch.cat(maps[1::2]) if k > 1 else maps[1]
-        raw = F.linear(tokens, weight, bias).split([w.shape[0] for w in maps[0::2]], dim=-1)
-        residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(steer, raw)}
+    return output_geometry(steering_outputs(tokens, *steering[k:]), mu, sigma, ell, steering[:k],
+                           size=tokens.shape[:2], steer=steer, radius=radius)
+
+
+def steering_outputs(tokens: Tensor, *maps: Tensor) -> tuple[Tensor, ...]:
+    """The steering maps' raw outputs ``a_p = tokens W_p + b_p``, one ``(..., K_p)`` per enabled path in ``steer``'s
+    order (``maps``: each path's weight, then its bias). One matmul per path: a stacked weight would be a copy that
+    autograd keeps."""
+    return tuple(F.linear(tokens, weight, bias) for weight, bias in zip(maps[0::2], maps[1::2]))
+
+
+def output_geometry(outputs: Sequence[Tensor], mu: Tensor, sigma: Tensor, ell: Tensor, alphas: Sequence[Tensor], *,
+                    size: tuple[int, int], steer: tuple[str, ...], radius: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``steered_geometry`` of the steering maps' raw outputs (``steering_outputs``, each ``(B, N, K_p)``) and the
+    gates' raw ``alpha``, both in ``steer``'s order, for ``size = (B, N)`` tokens; the field as ``token_geometry``'s."""
+    (b, n), (h, r) = size, ell.shape
+    residuals = {p: a.reshape(b, n, h, r, *((2,) if p != "lambda" else ())) for p, a in zip(steer, outputs)}
     return steered_geometry(
         mu.expand(b, n, h, r, 2), sigma.expand(b, n, h, r, 2), ell.expand(b, n, h, r), residuals,
         {p: steer_gate(a) for p, a in zip(steer, alphas)}, radius=radius,

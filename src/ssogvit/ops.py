@@ -25,8 +25,8 @@ from ssogvit.backends import cpu, triton
 from ssogvit.backends import torch as stacked
 from ssogvit.backends._common import graph_grads
 from ssogvit.core import (
-    check_grid, field_sigma, field_tau, functional_only, gaussian_rows, kernel_scale, position_dtype, prefix_pool,
-    steer_gate, steered_geometry, token_geometry,
+    check_grid, field_sigma, field_tau, functional_only, gaussian_rows, kernel_scale, output_geometry, position_dtype,
+    prefix_pool, steer_gate, steered_geometry, steering_outputs, token_geometry,
 )
 
 __all__ = [
@@ -251,9 +251,12 @@ def _given_geometry(mu: Tensor, sigma: Tensor, lam: Tensor, tau: Tensor) -> tupl
     return mu, kernel_scale(sigma, _tau_per_head(tau)), lam
 
 
-def _token_geometry(tokens: Tensor, mu: Tensor, sigma: Tensor, ell: Tensor, tau: Tensor, *steering: Tensor,
-                    steer: tuple[str, ...], radius: float) -> tuple[Tensor, Tensor, Tensor]:
-    mu, sigma, lam = token_geometry(tokens, mu, sigma, ell, *steering, steer=steer, radius=radius)
+def _output_geometry(*inputs: Tensor, size: tuple[int, int], steer: tuple[str, ...], radius: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The geometry from ``(*outputs, mu, sigma, ell, tau, *alphas)``, the steering maps' outputs first."""
+    k = len(steer)
+    mu, sigma, ell, tau = inputs[k:k + 4]
+    mu, sigma, lam = output_geometry(inputs[:k], mu, sigma, ell, inputs[k + 4:], size=size, steer=steer, radius=radius)
     return mu, kernel_scale(sigma, _tau_per_head(tau)), lam
 
 
@@ -310,16 +313,20 @@ def ssog_mix_steered_by_tokens(
     head_chunk: int | None = None,
     inplace: bool = False,
 ) -> Tensor:
-    """``ssog_mix_steered`` of the geometry the patch tokens predict (``core.token_geometry``; arguments as there),
-    which with autograd is not kept for backward but recomputed there: a training step keeps the values and the
-    inputs of the geometry only (``SSoGAttention`` passes its normalised tokens, which its value projection keeps
-    anyway, and its parameters)."""
+    """``ssog_mix_steered`` of the geometry the patch tokens predict (``core.token_geometry``; arguments as there;
+    ``tokens`` the patch tokens ``(B, N, D)`` or all tokens ``(B, P + N, D)``, whose prefix rows are not read).
+    With autograd the steering maps' outputs (``5 H R`` numbers per token at most) are kept for backward, the
+    geometry from them is not: it is recomputed there (``SSoGAttention`` passes its normalised tokens, which its value
+    projection keeps anyway, and its parameters)."""
     grid = check_grid(values.shape[1], grid)[:2]
-    if tokens.shape[:2] != (values.shape[0], grid[0] * grid[1]):
-        raise ValueError(f"tokens must be the patch tokens (B, N, D) = ({values.shape[0]}, {grid[0] * grid[1]}, D), "
-                         f"got {tuple(tokens.shape)}")
-    geometry = functools.partial(_token_geometry, steer=tuple(steer), radius=float(radius))
-    return _steered(values, grid, geometry, (tokens, mu, sigma, ell, tau, *steering), impl, head_chunk, inplace)
+    size = (values.shape[0], grid[0] * grid[1])
+    if tokens.ndim != 3 or tokens.shape[0] != size[0] or tokens.shape[1] not in (size[1], values.shape[1]):
+        raise ValueError(f"tokens must be the patch tokens (B, N, D) = ({size[0]}, {size[1]}, D) or all tokens "
+                         f"(B, P + N, D) = ({size[0]}, {values.shape[1]}, D), got {tuple(tokens.shape)}")
+    k = len(steer)  # the maps' matmuls are autograd's (docs/operator.md, "Backward")
+    outputs = [a[:, a.shape[1] - size[1]:] for a in steering_outputs(tokens, *steering[k:])]
+    geometry = functools.partial(_output_geometry, size=size, steer=tuple(steer), radius=float(radius))
+    return _steered(values, grid, geometry, (*outputs, mu, sigma, ell, tau, *steering[:k]), impl, head_chunk, inplace)
 
 
 def _check_geometry(values: Tensor, grid: tuple[int, int], mu: Tensor, sigma: Tensor, lam: Tensor
@@ -374,11 +381,30 @@ class _SteeredMix(torch.autograd.Function):
                 grads = graph_grads(lambda v, *a: core.mix_steered(v, grid, *geometry(*a)), (values, *inputs), grad)
         else:
             with _autocast(ctx.autocast):
-                geo, geometry_vjp = torch.func.vjp(geometry, *inputs)
+                geo, geometry_vjp = _vjp(geometry, inputs)
             g_values, *g_geo = _BACKENDS[impl].steered_backward(grad, values, grid, *geo, head_chunk=head_chunk)
             del geo
             grads = [g_values, *geometry_vjp(tuple(g_geo))]
         return grads[0], None, None, None, None, *grads[1:]
+
+
+def _vjp(fn, inputs: tuple[Tensor, ...]):
+    """``torch.func.vjp(fn, *inputs)`` where a compiler traces it; in eager the same by autograd on detached copies of
+    the inputs, whose dispatch costs less (0.4 ms of a steered ViT-B layer's backward at 224 px, one thread)."""
+    if torch.compiler.is_compiling():
+        return torch.func.vjp(fn, *inputs)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        outputs = fn(*leaves)
+
+    def vjp(cotangents: tuple[Tensor, ...]) -> list[Tensor | None]:
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
+                     if wanted and pairs else [None] * len(wanted))
+        return [next(found) if leaf.requires_grad else None for leaf in leaves]
+
+    return [o.detach() for o in outputs], vjp
 
 
 def _autocast_state() -> tuple[bool, torch.dtype, bool, torch.dtype]:

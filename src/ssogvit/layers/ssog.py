@@ -264,7 +264,7 @@ class SSoGAttention(nn.Module):
                     itemsize=values.element_size(),
                 )
             mixed = ops.ssog_mix_steered_by_tokens(
-                values, (gh, gw), x[:, p:], self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
+                values, (gh, gw), x, self.mu, self.sigma(), self.ell, self.tau(), *self._steering(),
                 steer=self.steer, radius=self.radius, impl=self.impl, head_chunk=chunk, inplace=inplace,
             )
         elif self._tables_cached():
