@@ -298,6 +298,38 @@ def test_eval_takes_a_checkpoints_data_settings_from_it_and_refuses_an_edited_co
                            "(data.seed: last.ckpt 0, config.yaml 1)")
 
 
+def test_eval_reads_an_exports_data_from_its_seal_when_the_copy_beside_it_is_gone(lone_export):
+    """The fifth audit's E020-E023: the data settings sealed in an export's header hold whether or not its readable
+    copy (model.json) is beside it; without it the split is still the run's, and an option that splits otherwise is
+    still refused."""
+    side = lone_export.with_suffix(".json")
+    side.unlink()
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "data.seed=1")
+    assert_user_error(res, "ssogvit eval: data.seed=1: the checkpoint's run was trained with data.seed=0")
+    side.mkdir()  # a copy that is not a file is no copy: the seal still holds
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+
+
+def test_eval_refuses_a_run_config_yaml_that_describes_another_model(tiny_run, tmp_path):
+    """The fifth audit's E034: the run's config.yaml is a readable copy of what the checkpoint and the export record;
+    its model edited since (another depth) is named like its data, for either file."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    depth = config["model"]["kwargs"]["depth"]
+    config["model"]["kwargs"]["depth"] = depth + 2
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    for file in (run / "checkpoints" / "last.ckpt", run / "export" / "model.safetensors"):
+        res = ssogvit("eval", "--ckpt", str(file), "--device", "cpu", "--progress", "none")
+        assert_user_error(res, f"ssogvit eval: {run / 'config.yaml'} was changed since {file} was written "
+                               f"(model.depth: {file.name} {depth}, config.yaml {depth + 2})")
+
+
 @pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}
