@@ -123,10 +123,12 @@ def _build_or_load() -> ctypes.CDLL:
 
 
 @torch.compiler.assume_constant_result
-def available() -> bool:
+def available(dtype: torch.dtype | None = None) -> bool:
     """Whether the C kernel can be used: wanted (``enabled``, ``SSOGVIT_CPU_KERNEL``), built, and checked against the
-    dense reference in this process. ``torch.compile`` takes the answer as a constant of its graph."""
-    return _wanted() and _library() is not None and _checked()
+    dense reference in this process, in ``dtype`` (each dtype's check on its first use: a float32 model's process
+    never pays float64's) or, without one, in every dtype it mixes. ``torch.compile`` takes the answer as a constant
+    of its graph."""
+    return _wanted() and _library() is not None and all(_checked(d) for d in ((dtype,) if dtype else _TOLERANCE))
 
 
 def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
@@ -136,7 +138,7 @@ def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str
         return f"the C kernel mixes float32 and float64 CPU tensors, got {values.dtype} on {values.device}"
     if any(t.dtype != values.dtype or t.device != values.device for t in operands):
         return "the C kernel needs the values and the field in one dtype on one device"
-    if not available():
+    if not available(values.dtype):
         return (f"the C kernel is turned off ({ENV_SWITCH}=0 or cpu.enabled(False))" if not _wanted() else
                 "the C kernel could not be built or failed its check (see the warning)")
     return None
@@ -556,25 +558,28 @@ def steered_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], mu: Te
 # The first use's check against the dense reference
 
 
+#: The largest relative difference from the dense reference that the first-use check accepts, per dtype.
+_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
 @functools.cache
-def _checked() -> bool:
+def _checked(dtype: torch.dtype) -> bool:
     """The kernel's mixing (steered and fixed) and both backwards against the dense reference (autograd through it)
     on small problems with centres inside and outside the grid, narrow and wide kernels and one prefix token, in
-    both dtypes: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
+    ``dtype``: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
     modes it needs itself: autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32
     matmuls must stay float32), and saved-tensor hooks of its own (the first use can be inside a gradient-checkpointed
     block, whose hooks would take the check's tensors for the block's)."""
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         g = torch.Generator().manual_seed(0)
-        for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-            for kind in ("steered", "fixed"):
-                worst = _check(kind, dtype, g)
-                if not worst < tol:
-                    warnings.warn(f"ssogvit: the CPU kernel's {kind} mixing disagrees with the dense reference (max "
-                                  f"relative difference {worst:.3g} in {dtype}); using the torch path",
-                                  RuntimeWarning, stacklevel=4)
-                    return False
+        for kind in ("steered", "fixed"):
+            worst = _check(kind, dtype, g)
+            if not worst < _TOLERANCE[dtype]:
+                warnings.warn(f"ssogvit: the CPU kernel's {kind} mixing disagrees with the dense reference (max "
+                              f"relative difference {worst:.3g} in {dtype}); using the torch path",
+                              RuntimeWarning, stacklevel=4)
+                return False
     return True
 
 
