@@ -187,7 +187,7 @@ def _narrow(bands: tuple[Tensor, ...] | None, *lengths: int | Tensor) -> tuple[T
     return bands if bands is not None and all(banded(b, n) for b, n in zip(bands, lengths)) else None
 
 
-def _field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+def field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     """The field's bands (``core.field_bands``, ``(H, R, 2)`` centres and scales) where they pay, else ``None``: what
     its op's forward and backward both read."""
     if not may_band(scale, grid, dtype):
@@ -282,7 +282,7 @@ def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, la
 def _fixed_grads(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor,
                  bands: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``ssog_fixed_grad_*``: the gradients of the fixed mixing for the values, both tables and ``lam``; with
-    ``bands`` (``_field_bands``: the tables must be that field's) every product reads only the bands, and the
+    ``bands`` (``field_bands``: the tables must be that field's) every product reads only the bands, and the
     tables' gradients are zero outside them (docs/operator.md, "Bands")."""
     grad, values = _rows(grad), _rows(values)
     (b, t, d), (h, r), (gh, gw) = values.shape, lam.shape, _grid(ky, kx)
@@ -395,7 +395,7 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
     ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, _field_bands(mu, scale, (gh, gw), values.dtype))
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, field_bands(mu, scale, (gh, gw), values.dtype))
     return out
 
 
@@ -406,7 +406,7 @@ def _field_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor,
     rebuilt, the fixed mixing's backward (reading the bands the forward reads, where the field is finite; docs/
     operator.md, "Bands"), then the tables'."""
     ky, kx = _field_tables(mu, scale, gh, gw)
-    bands = _field_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
+    bands = field_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
     g_values, g_ky, g_kx, g_lam = _fixed_grads(grad, values, ky, kx, lam, bands)
     g_mu, g_scale = zip(*(_axis_grads(g, k, mu[..., i], scale[..., i]) for i, (g, k) in
                           enumerate(((g_ky, ky), (g_kx, kx)))))

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ssogvit import core, ops, reference
+from ssogvit.backends import cpu
 from ssogvit.backends.torch import default_head_chunk
 from ssogvit.errors import InputError
 from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, AppliesOnly, Choice, Flag, Float, Int, checked
@@ -209,6 +210,20 @@ class SSoGAttention(nn.Module):
         if use_cache:
             self._kernel_cache = ((tuple(grid), dtype, self.mu.device), tuple(v.clone() for v in values), tables)
         return tables if bands else tables[:3]
+
+    def read_entries(self, grid: tuple[int, int], dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+        """The fixed field's kernel entries that the C kernel reads at ``grid`` in ``dtype``, summed over heads, atoms
+        and query positions, per axis ``(y, x)``: its bands' where they are narrow enough to pay
+        (``backends.cpu.field_bands``; docs/operator.md, "Bands"), else whole rows (``H R Gh^2``, ``H R Gw^2``; also
+        for a field without values, on the meta device)."""
+        bands = None
+        if not self.mu.is_meta:
+            with torch.no_grad():
+                scale = core.kernel_scale(self.sigma(), self._tau_hr()[..., None])
+                bands = cpu.field_bands(self.mu.cpu(), scale.cpu(), tuple(grid), dtype)
+        if bands is None:
+            return tuple(self.num_heads * self.num_atoms * n * n for n in grid)
+        return tuple(int((b[..., 1] - b[..., 0]).sum()) for b in bands)
 
     def _steering(self) -> tuple[Tensor, ...]:
         """The steering parameters in ``core.token_geometry``'s order: the gates' ``alpha``, then each map's weight
