@@ -346,6 +346,31 @@ def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp
     assert results[True]["loss"] != results[False]["loss"]  # the field was rescaled (grid 4x4 -> 8x8)
 
 
+def test_no_command_writes_a_file_into_a_run_folder(tiny_run, tmp_path):
+    """The fifth audit's E062-E065: a run folder holds its run's files only; `eval --json` and `export --out` inside
+    one are refused like `--out` folders are, new file or existing one, with `--overwrite` or not (a run's
+    model.json, metrics.csv and checkpoints were replaced by an eval's JSON), and nothing there changes."""
+    import hashlib
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+
+    def digests():
+        return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*")) if p.is_file()}
+
+    before, ckpt = digests(), run / "checkpoints" / "last.ckpt"
+    for target in (run / "export" / "model.json", run / "checkpoints" / "best.ckpt", run / "result.json"):
+        for flags in ([], ["--overwrite"]):
+            res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(target), *flags)
+            assert_user_error(res, f"ssogvit eval: --json: {target} lies inside {run}, which is the folder of a run "
+                                   "(it holds run.json); a run folder holds its run's files only: choose a file "
+                                   "outside it")
+    res = ssogvit("export", "--ckpt", str(ckpt), "--format", "torchscript")  # the default: beside the checkpoint
+    assert_user_error(res, f"ssogvit export: --out: {ckpt.with_suffix('.pt')} lies inside {run}")
+    assert digests() == before
+
+
 def test_overwrite_never_replaces_a_node_that_is_not_a_regular_file(tiny_run, tmp_path):
     """`eval --json X --overwrite` and `export --out X --overwrite` with X a FIFO or a link: one line, exit 2, the
     node left as it was (a device at X would be replaced by a file otherwise)."""
