@@ -99,7 +99,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from ssogvit.train.config import check_run_config
-    from ssogvit.train.io import export_safetensors
+    from ssogvit.train.io import write_export
     from ssogvit.train.run import build_datamodule, build_trainer, fit
 
     start = time.perf_counter()
@@ -123,7 +123,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     with folder.claim(cfg.get("resume"), OmegaConf.to_container(cfg, resolve=True)) as resume:
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         summary = _convert(cfg, c, folder.path, teacher, student, dm, resume, start, verbose,
-                           build_trainer=build_trainer, fit=fit, export=export_safetensors)
+                           build_trainer=build_trainer, fit=fit, export=write_export)
         folder.write_state("finished", steps=summary["steps"], export=summary["export"])
     return summary
 

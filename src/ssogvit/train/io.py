@@ -36,7 +36,8 @@ from ssogvit.models import check_model_config, create_model, list_models, timm_n
 from ssogvit.models.registry import weights_path
 from ssogvit.models.sealed import (COPY_KEY, DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest,
                                    file_config, seal, verify)
-from ssogvit.outputs import atomic_write
+from ssogvit.outputs import (OutputExistsError, atomic_write, check_output_file, check_output_folder,
+                             check_replaceable)
 
 from .errors import CheckpointError, NonFiniteError
 
@@ -428,16 +429,32 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
                        overwrite: bool = False) -> Path:
     """Write `model`'s weights to `path` (`.safetensors`, sealed: its config in the header and one digest of the
     tensors and the header, `ssogvit.models.sealed`) and a readable copy of the config to the `.json` beside it,
-    atomically.
+    atomically. Both outputs are checked before anything is written (`ssogvit.outputs.check_output_file`: a run's
+    folder holds its run's files only, and only regular files are replaced).
 
     Args:
         extra: more JSON-able facts to store beside the config (metrics, data normalisation, classes...).
-        overwrite: replace files that exist (a run rewrites its own export); without it an existing file is an
-            `OutputExistsError` and nothing is written.
+        overwrite: replace files that exist; without it an existing file is an `OutputExistsError` and nothing is
+            written.
     """
+    path = Path(path)
+    if check_output_folder(path.parent, "path").exists():  # a folder to be created holds neither file yet
+        for p in (path, path.with_suffix(".json")):
+            check_output_file(p, "path", overwrite=overwrite, hint="overwrite=True")
+    return write_export(model, path, extra=extra, overwrite=overwrite)
+
+
+def write_export(model: nn.Module, path: Path, *, extra: Mapping[str, Any] | None = None,
+                 overwrite: bool = False) -> Path:
+    """`export_safetensors` without the run-folder rule: the writer of a run's own export (`ssogvit.train.run`), and
+    of `export_safetensors` once its outputs are checked. Neither file is written unless both may be replaced."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    for p in (path, path.with_suffix(".json")):
+        check_replaceable(p, "path")
+        if p.exists() and not overwrite:
+            raise OutputExistsError(f"path: {p} exists; pass overwrite=True to replace it, or choose another file",
+                                    argument="path")
     config = dict(model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]

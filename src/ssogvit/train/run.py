@@ -33,7 +33,7 @@ from .hydra_app import task_overrides
 from ssogvit.outputs import OutputError, check_output_folder
 
 from .errors import ConfigError
-from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
+from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, read_model_config, write_export
 from .module import ClassificationModule
 from .segmentation import SegmentationModule
 from .resume import EpochEndCheckpoint, check_resumable, epochs_done, save_resumable
@@ -420,14 +420,14 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
     }
     if trainer.is_global_zero and cfg.export.safetensors:
         extra = {"metrics": metrics, "data": OmegaConf.to_container(cfg.data, resolve=True), "run": summary["name"]}
-        path = export_safetensors(module.model, output_dir / "export" / "model.safetensors", extra=extra,
-                                  overwrite=True)  # the run's own export
+        path = write_export(module.model, output_dir / "export" / "model.safetensors", extra=extra,
+                            overwrite=True)  # the run's own export
         if module.ema is not None:
             ema_model = module.ema.module
             if not hasattr(ema_model, "config"):
                 ema_model.config = module.model.config
-            export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors",
-                               extra={**extra, "weights": "ema"}, overwrite=True)
+            write_export(ema_model, output_dir / "export" / "model_ema.safetensors",
+                         extra={**extra, "weights": "ema"}, overwrite=True)
         summary["export"] = str(path)
     return summary
 
