@@ -271,13 +271,16 @@ def _train_cases() -> list[Case]:
         ("data=nope", "unknown", "nope"), ("experiment=nope", "unknown", "nope"),
         ("just-a-word", "type", "just-a-word"),
         ("trainer.max_epochs=[1", "type", "max_epochs"), ("ema.enabled=maybe", "type", "ema.enabled"),
-        ("trainer.max_steps=0", "range", "trainer.max_steps"),
+        ("trainer.max_steps=0", "range", "trainer.max_steps"), ("mixup.mode=foo", "unknown", "mixup.mode"),
+        ("progress.every_n_steps=-5", "range", "progress.every_n_steps"),
     ]:
         extra = ("data.batch_size=1024",) if kind == "huge" else ()  # terabytes: more than any machine holds
         cases.append(_cli("train", kind, needle, "train", *run, "output_dir={tmp}/out", override, *extra))
     cases += [
         _cli("train", "ignored", "optim.betas", "train", *run, "output_dir={tmp}/out", "optim.opt=sgd",
              "optim.betas=[0.5,0.9]"),  # SGD has no moments
+        _cli("train", "ignored", "mixup.mode", "train", *run, "output_dir={tmp}/out", "mixup.mixup_alpha=0",
+             "mixup.cutmix_alpha=0", "mixup.mode=pair"),  # mixup off
         _cli("train", "existing", "finished run", "train", *run, "output_dir={run}"),
         _cli("train", "file-for-folder", "output_dir", "train", *run, "output_dir={file}"),
         _cli("train", "read-only", "ro", "train", *run, "output_dir={ro}/out"),
