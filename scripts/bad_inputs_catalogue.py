@@ -211,7 +211,7 @@ def _loader_cases() -> list[Case]:
                       "pretrained_cfg_overlay=dict(file=str(P['export'])))"))  # timm itself ignores the file
     cases.append(_api("timm file overlay", "ignored", "sigma_min", "timm.create_model('ssogvit_vit_tiny_ssog', "
                       "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), sigma_min=0.5)"))
-    cases.append(_api("rescale_field", "range", "grid ratios",
+    cases.append(_api("rescale_field", "range", "factor_y",
                       "create_model('vit-tiny-ssog', **TINY).rescale_field(float('inf'), 1.0)"))
     cases.append(_api("timm pyramid", "range", "patch_size", "timm.create_model('ssogvit_vit_tiny_ssog_pyramid', "
                       "**dict(TINY, patch_size=2))"))
