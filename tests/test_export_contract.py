@@ -256,3 +256,21 @@ def test_a_dynamic_file_that_refuses_a_grid_it_would_claim_is_not_written(tmp_pa
     done = _cli(ckpt, "--format", "onnx")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "parity on a random batch (1, 3, 8, 12)" in done.stdout
+
+
+@pytest.mark.parametrize("task", [None, "segmentation"])
+def test_a_torchscript_file_runs_again_and_again_with_autograd_on(tmp_path, task):
+    """The fifth audit's E221: a segmentation model's TorchScript file failed from its second call on, autograd on
+    (the default), once TorchScript's executor had optimised the graph (an in-place ReLU after a permuted norm on a
+    view of a parameter that required grad). The file is an inference file: its parameters do not require grad, and
+    the model's own flags are as they were."""
+    model = create_model("vit-tiny-ssog", img_size=32, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                         num_classes=3, **({"task": task} if task else {})).eval()
+    path = export_model(model, torch.randn(2, 3, 32, 32), tmp_path / "m.pt", format="torchscript")
+    assert all(p.requires_grad for p in model.parameters())
+    run = load_exported(path, format="torchscript")
+    for i in range(3):
+        x = torch.randn(1 + i, 3, 32, 32)
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(run(x), want, rtol=1e-4, atol=1e-5)

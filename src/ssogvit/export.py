@@ -197,7 +197,17 @@ def export_model(
             torch.onnx.export(checked, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
-            torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
+            # an inference file: parameters that require grad made a later call of a traced in-place activation
+            # (timm's ReLU(inplace=True) after a permuted norm) fail with autograd on, once the executor had optimised
+            # the graph; the model's own flags are restored after the trace
+            flags = [(p, p.requires_grad) for p in checked.parameters()]
+            try:
+                for p, _ in flags:
+                    p.requires_grad_(False)
+                torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
+            finally:
+                for p, flag in flags:
+                    p.requires_grad_(flag)
         else:
             program = torch.export.export(checked, (example,), dynamic_shapes=({**batch, **size},))
             _refuse_empty_batch(program)
