@@ -246,6 +246,10 @@ def _check_task(cfg: DictConfig, dm, model_config: dict[str, Any]) -> str:
     metric of that task (`ckpt.monitor`); a `ConfigError` says what does not fit."""
     data_task = getattr(dm, "task", "classification")
     model_task = model_config.get("task") or "classification"
+    if data_task != model_task and cfg.transfer.ckpt:  # the source's architecture, task included, is what trains
+        raise ConfigError(f"data={cfg.data.name} is a {data_task} dataset but transfer.ckpt={cfg.transfer.ckpt} is a "
+                          f"{model_task} model, and a transfer keeps its source's task: transfer it to {model_task} "
+                          f"data, or train a {data_task} model")
     if data_task != model_task:
         raise ConfigError(f"data={cfg.data.name} is a {data_task} dataset but the model is a {model_task} model: set "
                           f"model.kwargs.task={'segmentation' if data_task == 'segmentation' else 'null'}")
