@@ -364,6 +364,8 @@ def _convert_cases() -> list[Case]:
                  (("--timm-kwargs", "[1]"), "type", "--timm-kwargs"),
                  (("--timm-kwargs", "{{no"), "type", "--timm-kwargs"),
                  (("--timm-model", "nope_vit"), "unknown", "nope_vit"), (("data.img_size=224.5",), "type", "img_size"),
+                 (("convert.recipe=logits", "convert.feature_weight=5"), "ignored", "convert.feature_weight"),
+                 (("convert.steps_per_block=50",), "ignored", "convert.steps_per_block"),  # blocks: not progressive
              ]]
     cases += [_cli("convert", kind, needle, *cv, "--teacher", teacher, "--out", "{tmp}/out")
               for teacher, kind, needle in [("{missing}", "missing", "does not exist"), ("{run}", "file-for-folder",
