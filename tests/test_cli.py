@@ -489,3 +489,45 @@ def test_bench_flops_check_reports_each_point_as_it_goes():
     progress = [line for line in res.stderr.splitlines() if line.startswith("[")]
     assert progress[0].startswith("[1/2] vit-tiny-ssog res=32: analytic ") and "counted" in progress[0]
     assert progress[1].startswith("[2/2] vit-tiny-ssog res=48: analytic ")
+
+
+def test_options_that_would_be_ignored_or_cannot_compute_are_refused_before_any_work(lone_export, tmp_path):
+    """The fifth audit's E266-E268, E279, E283, E286: `ssogvit main` overrides of what it sets for every run (`seed`,
+    `output_dir`, ...), an option given twice (argparse kept the last), `--rescale-field` on a model without an SSoG
+    field and `--device meta`: each one line, exit 2, before anything is written."""
+    from ssogvit.models import create_model
+    from ssogvit.train.io import export_safetensors
+
+    out = tmp_path / "job"
+    for override, option in (("seed=5", "--seeds"), ("output_dir=elsewhere", "--out"), ("+seed=3", "--seeds")):
+        res = ssogvit("main", "--epochs", "1", "--seeds", "0", "--mixers", "ssog", "--out", str(out), override)
+        assert_user_error(res, f"ssogvit main: {override!r}: ssogvit main sets ")
+        assert f"use {option}" in res.stderr and not out.exists()
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--ckpt", str(lone_export), "--device", "cpu")
+    assert_user_error(res, f"ssogvit eval: --ckpt is given twice (--ckpt {lone_export}, then --ckpt {lone_export})")
+    assert_user_error(ssogvit("eval", "--ckpt", str(lone_export), "--device", "meta"),
+                      "ssogvit eval: --device='meta': the meta device holds shapes and no values")
+    data = json.loads(lone_export.with_suffix(".json").read_text())["data"]
+    mha = export_safetensors(create_model("vit-tiny-mha", img_size=16, patch_size=4, embed_dim=32, num_heads=2,
+                                          depth=1, num_classes=10), tmp_path / "mha" / "model.safetensors",
+                             extra={"data": data})
+    res = ssogvit("eval", "--ckpt", str(mha), "--img-size", "32", "--rescale-field", "--device", "cpu",
+                  "--json", str(tmp_path / "r.json"))
+    assert_user_error(res, f"ssogvit eval: --rescale-field rescales SSoG fields, and {mha} holds a model without one")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_report_refuses_a_run_whose_config_yaml_relabels_its_model(tiny_run, tmp_path):
+    """The fifth audit's E270: a report labels runs by their config.yaml; one edited to name another mixer than the
+    run's sealed export holds is refused, naming it (an MHA run was reported as SSoG)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    saved = config["model"]["name"]
+    config["model"]["mixer"] = "mha" if config["model"]["mixer"] != "mha" else "ssog"
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    res = ssogvit("report", str(run), "--out", str(tmp_path / "rep"))
+    assert_user_error(res, f"ssogvit report: {run / 'config.yaml'} was changed since")
+    assert f"model.safetensors {saved!r}" in res.stderr and not (tmp_path / "rep").exists()

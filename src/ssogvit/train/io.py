@@ -350,6 +350,9 @@ def _model_differs(model: Any, section: Any, path: Path) -> list[str]:
     if not isinstance(model, Mapping) or "name" not in model or not isinstance(section, Mapping):
         return []
     kwargs = section.get("kwargs") if isinstance(section.get("kwargs"), Mapping) else {}
+    parts = [section.get(k) for k in ("family", "size", "mixer")]
+    if all(isinstance(x, str) for x in parts) and "-".join(parts) != model["name"]:  # what a report labels runs by
+        return [f"model.family, size, mixer: {path.name} {model['name']!r}, config.yaml {'-'.join(parts)!r}"]
     described = {"name": section.get("name"), **{k: v for k, v in kwargs.items() if v is not None}}
     try:
         described = _file_model_config(described, "config.yaml")
