@@ -286,7 +286,7 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
     p = weights_path(path)
     model = None
     if p.suffix == ".safetensors":
-        record = _sealed_record(p)
+        record = sealed_record(p)
         if record is None and not p.with_suffix(".json").is_file():
             return None
         if record is None:  # a file sealed before its readable copy was: the digest at least
@@ -328,7 +328,7 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
     return data
 
 
-def _sealed_record(path: Path) -> dict[str, Any] | None:
+def sealed_record(path: Path) -> dict[str, Any] | None:
     """The readable copy sealed in an export's header (`COPY_KEY`), the digest and the copy beside it checked
     (`read_sealed`); None for a file sealed without it."""
     copy = _safetensors_header(path).get(COPY_KEY)
