@@ -315,6 +315,8 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
             finished = _finished_record(cfg, output_dir, ckpt, done, step, start)
             del ckpt
         del checked
+        prune_logs(output_dir, epoch=epoch, step=step)
+        folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if finished is not None:  # killed after its final checkpoint and export, before run.json said so
             if verbose:
                 print(f"{resume} holds the run's whole budget ({done} epochs) and its export is written: the run had "
@@ -322,8 +324,6 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
             folder.write_state("finished", epochs=finished["epochs"], steps=finished["steps"], best=finished["best"],
                                export=finished["export"])
             return finished
-        prune_logs(output_dir, epoch=epoch, step=step)
-        folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         if verbose and resume:
             print(f"resuming from {resume} ({done} epochs done, step {step})")
         summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
