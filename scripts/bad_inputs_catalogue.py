@@ -211,7 +211,7 @@ def _loader_cases() -> list[Case]:
                       "pretrained_cfg_overlay=dict(file=str(P['export'])))"))  # timm itself ignores the file
     cases.append(_api("timm file overlay", "ignored", "sigma_min", "timm.create_model('ssogvit_vit_tiny_ssog', "
                       "pretrained=True, pretrained_cfg_overlay=dict(file=str(P['export'])), sigma_min=0.5)"))
-    cases.append(_api("rescale_field", "range", "grid ratios",
+    cases.append(_api("rescale_field", "range", "factor_y",
                       "create_model('vit-tiny-ssog', **TINY).rescale_field(float('inf'), 1.0)"))
     cases.append(_api("timm pyramid", "range", "patch_size", "timm.create_model('ssogvit_vit_tiny_ssog_pyramid', "
                       "**dict(TINY, patch_size=2))"))
@@ -271,13 +271,16 @@ def _train_cases() -> list[Case]:
         ("data=nope", "unknown", "nope"), ("experiment=nope", "unknown", "nope"),
         ("just-a-word", "type", "just-a-word"),
         ("trainer.max_epochs=[1", "type", "max_epochs"), ("ema.enabled=maybe", "type", "ema.enabled"),
-        ("trainer.max_steps=0", "range", "trainer.max_steps"),
+        ("trainer.max_steps=0", "range", "trainer.max_steps"), ("mixup.mode=foo", "unknown", "mixup.mode"),
+        ("progress.every_n_steps=-5", "range", "progress.every_n_steps"),
     ]:
         extra = ("data.batch_size=1024",) if kind == "huge" else ()  # terabytes: more than any machine holds
         cases.append(_cli("train", kind, needle, "train", *run, "output_dir={tmp}/out", override, *extra))
     cases += [
         _cli("train", "ignored", "optim.betas", "train", *run, "output_dir={tmp}/out", "optim.opt=sgd",
              "optim.betas=[0.5,0.9]"),  # SGD has no moments
+        _cli("train", "ignored", "mixup.mode", "train", *run, "output_dir={tmp}/out", "mixup.mixup_alpha=0",
+             "mixup.cutmix_alpha=0", "mixup.mode=pair"),  # mixup off
         _cli("train", "existing", "finished run", "train", *run, "output_dir={run}"),
         _cli("train", "file-for-folder", "output_dir", "train", *run, "output_dir={file}"),
         _cli("train", "read-only", "ro", "train", *run, "output_dir={ro}/out"),
@@ -361,6 +364,8 @@ def _convert_cases() -> list[Case]:
                  (("--timm-kwargs", "[1]"), "type", "--timm-kwargs"),
                  (("--timm-kwargs", "{{no"), "type", "--timm-kwargs"),
                  (("--timm-model", "nope_vit"), "unknown", "nope_vit"), (("data.img_size=224.5",), "type", "img_size"),
+                 (("convert.recipe=logits", "convert.feature_weight=5"), "ignored", "convert.feature_weight"),
+                 (("convert.steps_per_block=50",), "ignored", "convert.steps_per_block"),  # blocks: not progressive
              ]]
     cases += [_cli("convert", kind, needle, *cv, "--teacher", teacher, "--out", "{tmp}/out")
               for teacher, kind, needle in [("{missing}", "missing", "does not exist"), ("{run}", "file-for-folder",

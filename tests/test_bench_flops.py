@@ -73,3 +73,25 @@ def test_mixer_flops_match_flop_counter_mode_on_a_rectangular_grid(name):
                                                              custom_mapping=_custom_mapping()) as counter:
         mixer(x, x, x, need_weights=False) if name == "torch-mha" else mixer(x, grid=grid, num_prefix_tokens=prefix)
     assert counter.get_total_flops() == pytest.approx(mixer_flops(mixer, grid, prefix)["total"], rel=0.02)
+
+
+def test_core_read_counts_the_band_entries_where_the_kernel_takes_them_and_whole_rows_elsewhere():
+    """``core_read`` (issue 34): SSoG's core over the kernel entries the C kernel reads. Narrow atoms on a large grid
+    read their bands (``core.field_bands``' lengths, every x-row once per query row and every y-row once per query
+    column); atoms as wide as the grid read whole rows, the definition's count; attention reads what it defines."""
+    from ssogvit import core
+
+    grid, prefix, dim, heads = (40, 24), 1, 32, 4
+    narrow = create_mixer("ssog", dim, heads).eval()
+    with torch.no_grad():
+        narrow.rho.fill_(-3.0)
+    wide = create_mixer("ssog", dim, heads, rho_init=8.0).eval()
+    f_narrow, f_wide = mixer_flops(narrow, grid, prefix), mixer_flops(wide, grid, prefix)
+    assert f_wide["core_read"] == f_wide["core"]
+    scale = core.kernel_scale(narrow.sigma(), narrow.tau()).detach()
+    by, bx = (b[..., 1] - b[..., 0] for b in core.field_bands(narrow.mu.detach(), scale, grid, torch.float32))
+    n = grid[0] * grid[1]
+    want = 2 * (dim // heads * (grid[1] * int(by.sum()) + grid[0] * int(bx.sum())) + prefix * n * dim)
+    assert f_narrow["core_read"] == want < f_narrow["core"] / 4
+    mha = mixer_flops(create_mixer("mha", dim, heads), grid, prefix)
+    assert mha["core_read"] == mha["core"]

@@ -298,6 +298,38 @@ def test_eval_takes_a_checkpoints_data_settings_from_it_and_refuses_an_edited_co
                            "(data.seed: last.ckpt 0, config.yaml 1)")
 
 
+def test_eval_reads_an_exports_data_from_its_seal_when_the_copy_beside_it_is_gone(lone_export):
+    """The fifth audit's E020-E023: the data settings sealed in an export's header hold whether or not its readable
+    copy (model.json) is beside it; without it the split is still the run's, and an option that splits otherwise is
+    still refused."""
+    side = lone_export.with_suffix(".json")
+    side.unlink()
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "data.seed=1")
+    assert_user_error(res, "ssogvit eval: data.seed=1: the checkpoint's run was trained with data.seed=0")
+    side.mkdir()  # a copy that is not a file is no copy: the seal still holds
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--device", "cpu", "--progress", "none")
+    assert res.returncode == 0 and " at 16 px" in res.stdout, res.stderr[-3000:]
+
+
+def test_eval_refuses_a_run_config_yaml_that_describes_another_model(tiny_run, tmp_path):
+    """The fifth audit's E034: the run's config.yaml is a readable copy of what the checkpoint and the export record;
+    its model edited since (another depth) is named like its data, for either file."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    depth = config["model"]["kwargs"]["depth"]
+    config["model"]["kwargs"]["depth"] = depth + 2
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    for file in (run / "checkpoints" / "last.ckpt", run / "export" / "model.safetensors"):
+        res = ssogvit("eval", "--ckpt", str(file), "--device", "cpu", "--progress", "none")
+        assert_user_error(res, f"ssogvit eval: {run / 'config.yaml'} was changed since {file} was written "
+                               f"(model.depth: {file.name} {depth}, config.yaml {depth + 2})")
+
+
 @pytest.mark.slow
 def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp_path):
     results = {}
@@ -312,6 +344,31 @@ def test_eval_applies_rescale_field_with_img_size_and_prints_lines(tiny_run, tmp
     assert results[True]["rescale_field"] and not results[False]["rescale_field"]
     assert results[True]["img_size"] == results[False]["img_size"] == 32
     assert results[True]["loss"] != results[False]["loss"]  # the field was rescaled (grid 4x4 -> 8x8)
+
+
+def test_no_command_writes_a_file_into_a_run_folder(tiny_run, tmp_path):
+    """The fifth audit's E062-E065: a run folder holds its run's files only; `eval --json` and `export --out` inside
+    one are refused like `--out` folders are, new file or existing one, with `--overwrite` or not (a run's
+    model.json, metrics.csv and checkpoints were replaced by an eval's JSON), and nothing there changes."""
+    import hashlib
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+
+    def digests():
+        return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*")) if p.is_file()}
+
+    before, ckpt = digests(), run / "checkpoints" / "last.ckpt"
+    for target in (run / "export" / "model.json", run / "checkpoints" / "best.ckpt", run / "result.json"):
+        for flags in ([], ["--overwrite"]):
+            res = ssogvit("eval", "--ckpt", str(ckpt), "--device", "cpu", "--json", str(target), *flags)
+            assert_user_error(res, f"ssogvit eval: --json: {target} lies inside {run}, which is the folder of a run "
+                                   "(it holds run.json); a run folder holds its run's files only: choose a file "
+                                   "outside it")
+    res = ssogvit("export", "--ckpt", str(ckpt), "--format", "torchscript")  # the default: beside the checkpoint
+    assert_user_error(res, f"ssogvit export: --out: {ckpt.with_suffix('.pt')} lies inside {run}")
+    assert digests() == before
 
 
 def test_overwrite_never_replaces_a_node_that_is_not_a_regular_file(tiny_run, tmp_path):
@@ -432,3 +489,45 @@ def test_bench_flops_check_reports_each_point_as_it_goes():
     progress = [line for line in res.stderr.splitlines() if line.startswith("[")]
     assert progress[0].startswith("[1/2] vit-tiny-ssog res=32: analytic ") and "counted" in progress[0]
     assert progress[1].startswith("[2/2] vit-tiny-ssog res=48: analytic ")
+
+
+def test_options_that_would_be_ignored_or_cannot_compute_are_refused_before_any_work(lone_export, tmp_path):
+    """The fifth audit's E266-E268, E279, E283, E286: `ssogvit main` overrides of what it sets for every run (`seed`,
+    `output_dir`, ...), an option given twice (argparse kept the last), `--rescale-field` on a model without an SSoG
+    field and `--device meta`: each one line, exit 2, before anything is written."""
+    from ssogvit.models import create_model
+    from ssogvit.train.io import export_safetensors
+
+    out = tmp_path / "job"
+    for override, option in (("seed=5", "--seeds"), ("output_dir=elsewhere", "--out"), ("+seed=3", "--seeds")):
+        res = ssogvit("main", "--epochs", "1", "--seeds", "0", "--mixers", "ssog", "--out", str(out), override)
+        assert_user_error(res, f"ssogvit main: {override!r}: ssogvit main sets ")
+        assert f"use {option}" in res.stderr and not out.exists()
+    res = ssogvit("eval", "--ckpt", str(lone_export), "--ckpt", str(lone_export), "--device", "cpu")
+    assert_user_error(res, f"ssogvit eval: --ckpt is given twice (--ckpt {lone_export}, then --ckpt {lone_export})")
+    assert_user_error(ssogvit("eval", "--ckpt", str(lone_export), "--device", "meta"),
+                      "ssogvit eval: --device='meta': the meta device holds shapes and no values")
+    data = json.loads(lone_export.with_suffix(".json").read_text())["data"]
+    mha = export_safetensors(create_model("vit-tiny-mha", img_size=16, patch_size=4, embed_dim=32, num_heads=2,
+                                          depth=1, num_classes=10), tmp_path / "mha" / "model.safetensors",
+                             extra={"data": data})
+    res = ssogvit("eval", "--ckpt", str(mha), "--img-size", "32", "--rescale-field", "--device", "cpu",
+                  "--json", str(tmp_path / "r.json"))
+    assert_user_error(res, f"ssogvit eval: --rescale-field rescales SSoG fields, and {mha} holds a model without one")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_report_refuses_a_run_whose_config_yaml_relabels_its_model(tiny_run, tmp_path):
+    """The fifth audit's E270: a report labels runs by their config.yaml; one edited to name another mixer than the
+    run's sealed export holds is refused, naming it (an MHA run was reported as SSoG)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    saved = config["model"]["name"]
+    config["model"]["mixer"] = "mha" if config["model"]["mixer"] != "mha" else "ssog"
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    res = ssogvit("report", str(run), "--out", str(tmp_path / "rep"))
+    assert_user_error(res, f"ssogvit report: {run / 'config.yaml'} was changed since")
+    assert f"model.safetensors {saved!r}" in res.stderr and not (tmp_path / "rep").exists()

@@ -342,3 +342,18 @@ def test_convert_takes_hydra_forms_and_paths_with_equals_signs(teacher_file, tmp
     bad = _cli("--teacher", str(teacher), "convert.recipe=fast", *TINY, "output_dir=" + str(tmp_path / "x"))
     assert bad.returncode == 2 and "convert.recipe='fast': expected one of" in bad.stderr.strip().splitlines()[-1]
     assert "Traceback" not in bad.stderr
+
+
+def test_the_fit_report_names_its_steps_and_says_when_the_fields_were_not_fitted():
+    """The fifth audit's E246: with convert.fit_steps=0 the report gave 'KL fit' figures of fields never fitted,
+    naming no step count; it now says how the fields were fitted, or that they were not."""
+    from ssogvit.convert.fit import format_report
+
+    kwargs = {"num_classes": 5, "img_size": 16, "patch_size": 4, "embed_dim": 16, "num_heads": 2, "depth": 1}
+    teacher = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs).eval()
+    images = torch.randn(2, 3, 16, 16)
+    unfitted = fit_fields(teacher, build_student(teacher).eval(), images, steps=0)
+    fitted = fit_fields(teacher, build_student(teacher).eval(), images, steps=3, lr=0.05)
+    assert (unfitted.steps, fitted.steps, fitted.lr) == (0, 3, 0.05)
+    assert "were not fitted (convert.fit_steps=0)" in format_report(unfitted)
+    assert "fitted by 3 Adam steps (learning rate 0.05)" in format_report(fitted)

@@ -134,3 +134,14 @@ def test_report_tables_the_miou_of_segmentation_runs(trained, tmp_path):
     assert f"| scenes_vit_ssog | ssog | {float(row['val/miou']):.2f} (1 seed) |" in text
     assert (tmp_path / "report" / "curves.png").is_file() and (tmp_path / "report" / "segmentation.png").is_file()
     assert not (tmp_path / "report" / "runs.md").exists()
+
+
+def test_a_transfer_of_a_segmentation_model_to_classification_data_says_the_task_is_the_sources(trained, tmp_path):
+    """The fifth audit's E223: the refusal advised `model.kwargs.task=null`, which a transfer (the source's
+    architecture) cannot take; it says what a transfer keeps instead, before anything is written."""
+    out = tmp_path / "t"
+    proc = cli("transfer", "--ckpt", str(trained / "export" / "model.safetensors"), "--mode", "finetune",
+               "data=digits", f"output_dir={out}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "a transfer keeps its source's task: transfer it to segmentation data" in proc.stderr
+    assert not out.exists()

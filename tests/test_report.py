@@ -201,6 +201,11 @@ def test_a_comparison_refuses_runs_of_another_data_split_or_budget(tmp_path):
         saved = config[section][name]
         value = config[section][name] = saved + 1
         (other / "config.yaml").write_text(yaml.safe_dump(config))
+        if section == "data":  # the fifth audit's E270: config.yaml is checked against the run's sealed export
+            p = ssogvit("report", paper, other, "--out", tmp_path / f"out-{key}")
+            assert p.returncode == 2 and f"config.yaml was changed since {other / 'export'}" in p.stderr, p.stderr
+        shutil.rmtree(other / "export")  # a run with no sealed record: its logs and config.yaml are all there is
+        shutil.rmtree(other / "checkpoints")
         p = ssogvit("report", paper, other, "--out", tmp_path / f"out-{key}")
         assert p.returncode == 2 and p.stderr.splitlines() == [
             f"ssogvit report: {paper} and {other} cannot be compared: {key}: {paper.name} {saved!r}, {other.name} "
@@ -218,6 +223,8 @@ def test_a_comparison_refuses_runs_of_another_data_split_or_budget(tmp_path):
     config = yaml.safe_load((other / "config.yaml").read_text())
     config["data"]["split_seed"] += 1
     (other / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.rmtree(other / "export")  # no sealed record, as above
+    shutil.rmtree(other / "checkpoints")
     p = ssogvit("report", paper, twin, other, "--out", tmp_path / "families-split")
     assert p.returncode == 2 and "cannot be compared: data.split_seed" in p.stderr, p.stderr
 

@@ -161,9 +161,33 @@ def test_export_safetensors_replaces_a_file_only_when_asked(exported):
     model, path = exported
     from ssogvit.outputs import OutputExistsError
 
-    with pytest.raises(OutputExistsError):
+    with pytest.raises(OutputExistsError, match="pass overwrite=True"):  # the fifth audit's E085: the keyword
         export_safetensors(model, path)
     export_safetensors(model, path, overwrite=True)
+
+
+@pytest.mark.parametrize("node", ["link", "folder", "run"])
+def test_export_safetensors_writes_nothing_unless_both_files_may_be_written(exported, tmp_path, node):
+    """The fifth audit's E092-E094: the weights and their readable copy are checked together before either is
+    written (a link or a folder where the copy belongs left a sealed file without its copy), and a run's folder is
+    its run's alone (a finished run's export was replaced with another model's, overwrite=True or not)."""
+    from ssogvit.outputs import OutputError
+
+    model, _ = exported
+    folder = tmp_path / node
+    folder.mkdir()
+    target = folder / "model.safetensors"
+    if node == "link":
+        (folder / "model.json").symlink_to(tmp_path / "elsewhere.json")
+    elif node == "folder":
+        (folder / "model.json").mkdir()
+    else:
+        (folder / "run.json").write_text('{"status": "finished", "command": "train"}')
+        target = folder / "export" / "model.safetensors"
+    before = sorted(p.name for p in folder.rglob("*"))
+    with pytest.raises(OutputError, match="model.json is a|the folder of a run"):
+        export_safetensors(model, target, overwrite=True)
+    assert sorted(p.name for p in folder.rglob("*")) == before and not (tmp_path / "elsewhere.json").exists()
 
 
 @pytest.mark.parametrize("made_by", ["create_model", "timm", "from_pretrained", "ssogify"])

@@ -50,9 +50,26 @@ def test_rescale_field_clamps_a_width_below_the_floor_just_above_it_and_refuses_
     floor = m.sigma_min + m.eps_sigma
     sigma = m.sigma().detach()
     assert torch.isfinite(m.rho).all() and (sigma > floor).all() and (sigma < floor + 1e-6).all()
-    for bad in ((0.0, 1.0), (1.0, -2.0), (float("nan"), 1.0)):
-        with pytest.raises(ValueError, match="grid ratios must be positive"):
+    for bad in ((0.0, 1.0), (1.0, -2.0), (float("nan"), 1.0), (float("inf"), 1.0), (True, 1.0), ("2", 1.0)):
+        with pytest.raises(ValueError, match=r"factor_[yx]=.*: expected a number > 0"):  # the fifth audit's E144-E145
             m.rescale_field(*bad)
+
+
+@pytest.mark.parametrize("name", ["vit-tiny-ssog", "vit-tiny-ssog-steered"])
+def test_a_rescale_that_would_overflow_the_field_is_refused_and_changes_nothing(name):
+    """The fifth audit's E141-E142: 1e39 is a finite float that float32 centres cannot hold; the new field is checked
+    in every mixer before any changes, so a refusal leaves the model (weights and recorded radius) as it was."""
+    from ssogvit.models import create_model
+
+    model = create_model(name, img_size=16, patch_size=4, depth=2)
+    with torch.no_grad():
+        for m in model.mixers():
+            m.mu.normal_()
+    before, config = {k: v.clone() for k, v in model.state_dict().items()}, dict(model.config)
+    for bad in ((1e39, 1.0), (1e300, 1e300)):
+        with pytest.raises(ValueError, match="leave the field non-finite in torch.float32"):
+            model.rescale_field(*bad)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and model.config == config
 
 
 def test_rho_for_is_the_inverse_of_the_width_formula_in_float64():

@@ -162,9 +162,9 @@ def test_an_ode_solve_that_cannot_be_split_refuses_intermediates(solver, kw):
         assert torch.isfinite(model(x)).all()
         with pytest.raises(ValueError, match="cannot be split into grid steps"):
             model.forward_intermediates(x)
-    model.set_grad_checkpointing()
-    with pytest.raises(ValueError, match="cannot be split"):
-        model(x)
+    with pytest.raises(ValueError, match="cannot be split"):  # at the call (the fifth audit's E151), not the forward
+        model.set_grad_checkpointing()
+    assert not model.grad_checkpointing and torch.isfinite(model(x)).all()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -497,7 +497,8 @@ def test_export_cli_writes_a_dynamic_file_and_prints_its_parity_at_two_shapes(tm
     assert (tmp_path / "model.onnx").is_file()
     assert "it takes any batch and image size (a multiple of the patch size)" in done.stdout
     checks = [line for line in done.stdout.splitlines() if line.startswith("parity on a random batch")]
-    assert [c.split("batch ")[1].split(":")[0] for c in checks] == ["(2, 3, 32, 32)", "(1, 3, 40, 48)"]
+    assert [c.split("batch ")[1].split(":")[0] for c in checks] == ["(2, 3, 32, 32)", "(1, 3, 40, 48)",
+                                                                     "(1, 3, 16, 24)"]
     assert all(float(c.split("max abs difference ")[1].split()[0]) < 1e-4 for c in checks)
     again = subprocess.run(cmd + ["--format", "onnx"], capture_output=True, text=True, env=os.environ.copy())
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr

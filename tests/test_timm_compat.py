@@ -82,6 +82,16 @@ def test_ssogify_rejects_masks_and_bad_arguments():
         model.blocks[0].attn(torch.randn(1, 17, 192), attn_mask=torch.ones(17, 17, dtype=torch.bool))
 
 
+def test_ssogify_refuses_attention_dropout_which_ssog_cannot_carry():
+    """The fifth audit's E199: an attention dropout would vanish from the converted model without a word."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, attn_drop_rate=0.5)
+    with pytest.raises(ValueError, match=r"attention dropout \(attn_drop_rate > 0\)"):
+        ssogvit.ssogify(model)
+    assert type(model.blocks[0].attn).__name__ == "Attention"  # nothing was swapped
+
+
 def _decay_of(optimizer, model):
     """Parameter name -> the weight decay timm's optimizer applies to it."""
     names = {id(p): n for n, p in model.named_parameters()}

@@ -243,6 +243,27 @@ def test_a_finished_run_is_never_overwritten(finished, tmp_path):
     assert digest(finished) == before
 
 
+def test_a_run_killed_after_its_export_but_before_run_json_said_finished_loses_nothing(finished, tmp_path, capsys):
+    """The fifth audit's E296: a run whose run.json still says 'running' though its last.ckpt holds the whole budget
+    and its export was written after it (a kill between the two) was fitted again: nothing trained, but the export was
+    rewritten without its train and validation metrics, last.ckpt was rewritten and the best score lost. The same
+    command now only records the run as finished, from its checkpoint and export."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    state = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**state, "status": "running"}))
+    kept = ("run.json", "config.yaml")  # config.yaml is written again as any launch writes it (its output_dir here)
+    before = {k: v for k, v in digest(run).items() if k not in kept}
+    assert cli_main(["train", *tiny(run)]) == 0
+    assert "the run had finished; nothing is trained or rewritten" in capsys.readouterr().out
+    assert {k: v for k, v in digest(run).items() if k not in kept} == before
+    after = json.loads((run / "run.json").read_text())
+    assert after["status"] == "finished" and after["best"] == state["best"] and after["steps"] == state["steps"]
+
+
 def test_a_finished_run_is_extended_or_tried_again_in_one_command(tmp_path, capsys):
     """docs/training.md: `resume=extend trainer.max_epochs=N` trains a finished run on in its folder; `resume=new`
     starts a new try beside it (`<folder>-2`) without touching it. The console of the run (lines mode) shows each of

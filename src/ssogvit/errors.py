@@ -60,10 +60,31 @@ class UsageError(UserError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block."""
+    """argparse, with a usage error reported in one line (exit status 2) instead of the usage block, and an option
+    that holds one value given twice refused (argparse keeps the last: `eval --ckpt a --ckpt b` evaluated `b` alone
+    without a word)."""
+
+    _SINGLE = (argparse._StoreAction, argparse._StoreConstAction)  # store_true and store_false are store_const
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        single = {o: a for a in self._actions if isinstance(a, self._SINGLE) for o in a.option_strings}
+        seen: dict[argparse.Action, str] = {}
+        for i, token in enumerate(argv):
+            if token == "--":
+                break
+            action = single.get(token.split("=", 1)[0]) if token.startswith("-") else None
+            if action is None:
+                continue
+            value = "=" not in token and action.nargs is None and not isinstance(action, argparse._StoreConstAction)
+            shown = f"{token} {argv[i + 1]}" if value and i + 1 < len(argv) else token
+            if action in seen:
+                self.error(f"{token.split('=', 1)[0]} is given twice ({seen[action]}, then {shown}); give it once")
+            seen[action] = shown
+        return super().parse_known_args(args, namespace)
 
 
 class Interrupted(KeyboardInterrupt):

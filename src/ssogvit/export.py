@@ -197,7 +197,17 @@ def export_model(
             torch.onnx.export(checked, (example,), str(path), dynamo=False, input_names=["images"], verbose=False,
                               output_names=["logits"], dynamic_axes=axes, external_data=False)
         elif format == "torchscript":
-            torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
+            # an inference file: parameters that require grad made a later call of a traced in-place activation
+            # (timm's ReLU(inplace=True) after a permuted norm) fail with autograd on, once the executor had optimised
+            # the graph; the model's own flags are restored after the trace
+            flags = [(p, p.requires_grad) for p in checked.parameters()]
+            try:
+                for p, _ in flags:
+                    p.requires_grad_(False)
+                torch.jit.save(torch.jit.trace(checked, (example,), check_trace=False), str(path))
+            finally:
+                for p, flag in flags:
+                    p.requires_grad_(flag)
         else:
             program = torch.export.export(checked, (example,), dynamic_shapes=({**batch, **size},))
             _refuse_empty_batch(program)
@@ -259,6 +269,14 @@ def second_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> t
         return None
     batch = (1 if b != 1 else 3) if "batch" in dims else b
     return (batch, c, h + patch, w + 2 * patch) if "size" in dims else (batch, c, h, w)
+
+
+def smallest_shape(shape: tuple[int, ...], dims: tuple[str, ...], patch: int) -> tuple[int, ...] | None:
+    """With a dynamic size, the smallest input a file claims to take: a grid of 2 x 3 patches (batch as
+    ``second_shape``'s); an exporter's guards on a model's shape arithmetic may refuse grids smaller than the traced
+    one, which the file must not claim. ``None`` without a dynamic size."""
+    second = second_shape(shape, dims, patch)
+    return None if "size" not in dims or second is None else (second[0], shape[1], 2 * patch, 3 * patch)
 
 
 def refused_shapes(shape: tuple[int, ...], patch: int, *, pads: bool = False) -> list[tuple[int, ...]]:
@@ -361,7 +379,7 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(f"a dynamic image size is traced at 2 x 2 patches or more ({2 * patch} px here), got "
                          f"{h}x{w}; pass --img-size or --static")
     shape = (args.batch, model.in_chans, h, w)
-    checks = [s for s in (shape, second_shape(shape, dims, patch)) if s is not None]
+    checks = [s for s in (shape, second_shape(shape, dims, patch), smallest_shape(shape, dims, patch)) if s is not None]
     for b, _, sh, sw in checks:
         check_memory(model.forward_bytes(b, (sh, sw)), f"a forward of {b} images of {sh}x{sw} px", "--batch")
     if args.format == "onnx" and 4 * sum(p.numel() for p in model.parameters()) >= 2**31:
@@ -386,8 +404,10 @@ def _export(args: argparse.Namespace) -> int:
                 measured.append(parity(model, tmp, x, format=args.format))
             except Exception as err:  # the file refused an input it claims to take
                 first = _first_line(err)
-                raise UsageError(f"the exported file failed on a batch of shape {check} ({first}), so {out} was not "
-                                 "written") from None
+                way = (" (the exporter fixed part of the model's shape arithmetic at the traced size: export it with "
+                       "--static, trace it at a larger --img-size, or export to ONNX)" if i else "")
+                raise UsageError(f"the exported file failed on a batch of shape {check} ({first[:200]}), which the "
+                                 f"model takes, so {out} was not written{way}") from None
             print(f"parity on a random batch {check}: max abs difference {measured[-1]:.3e} (tolerance "
                   f"{args.tolerance:.0e})")
             if not measured[-1] <= args.tolerance:

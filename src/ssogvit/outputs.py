@@ -109,11 +109,7 @@ def check_output_folder(folder: str | os.PathLike, argument: str = "--out", *, r
     if not isinstance(folder, (str, os.PathLike)) or not str(folder).strip():
         raise OutputError(f"{argument}={folder!r}: expected the path of a folder", argument=argument)
     p = Path(folder).expanduser()
-    owner = run_folder_of(p.parent if run else p)
-    if owner is not None:
-        inside = "is" if owner == p.absolute() else f"lies inside {owner}, which is"
-        raise OutputError(f"{argument}: {p} {inside} the folder of a run (it holds {RUN_STATE_FILE}); a run folder "
-                          "holds its run's files only: choose a folder outside it", argument=argument)
+    _refuse_run_folder(p, p.parent if run else p, argument, "folder")
     if p.exists():
         if not p.is_dir():
             raise OutputError(f"{argument}: {p} is a file, not a folder", argument=argument)
@@ -129,10 +125,20 @@ def check_output_folder(folder: str | os.PathLike, argument: str = "--out", *, r
     return p
 
 
+def _refuse_run_folder(p: Path, where: Path, argument: str, kind: str) -> None:
+    """The one rule of both checks: no command writes into a run's folder but the run (`where` is, or lies in, one)."""
+    owner = run_folder_of(where)
+    if owner is not None:
+        inside = "is" if owner == p.absolute() else f"lies inside {owner}, which is"
+        raise OutputError(f"{argument}: {p} {inside} the folder of a run (it holds {RUN_STATE_FILE}); a run folder "
+                          f"holds its run's files only: choose a {kind} outside it", argument=argument)
+
+
 def check_output_file(path: str | os.PathLike, argument: str = "--out", *, overwrite: bool = False,
                       inputs: Iterable[str | os.PathLike] = (), hint: str = OVERWRITE_FLAG) -> Path:
-    """`path` as a `Path` if a command may write it: not a folder, in an existing writable folder, not one of
-    `inputs`, and not existing unless `overwrite`; `OutputError` naming `argument` otherwise.
+    """`path` as a `Path` if a command may write it: not a folder, in an existing writable folder that is not a run's
+    folder nor inside one (a run's files are its own: `check_output_folder`'s rule), not one of `inputs`, and not
+    existing unless `overwrite`; `OutputError` naming `argument` otherwise.
 
     Args:
         hint: how the caller asks to replace a file (`--overwrite` on the command line, `overwrite=True` in Python).
@@ -150,6 +156,7 @@ def check_output_file(path: str | os.PathLike, argument: str = "--out", *, overw
         raise OutputError(f"{argument}: {parent} is a file, not a folder", argument=argument)
     if not _writable(parent):
         raise OutputError(f"{argument}: the folder {parent} is not writable (permission denied)", argument=argument)
+    _refuse_run_folder(p, parent, argument, "file")
     for source in inputs:
         if p.exists() and Path(source).exists() and os.path.samefile(p, source):
             raise OutputError(f"{argument}: {p} is one of this command's inputs; write the output elsewhere",

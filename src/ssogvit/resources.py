@@ -77,8 +77,9 @@ def check_memory(nbytes: float, what: str, argument: str) -> None:
                                f"{source} allows ({format_bytes(limit)})", argument=argument)
 
 
-def check_device(device: Any, argument: str = "device") -> torch.device:
-    """`device` as a `torch.device` this machine has: `cuda` without CUDA is refused as such (not as a bad file)."""
+def check_device(device: Any, argument: str = "device", *, compute: bool = False) -> torch.device:
+    """`device` as a `torch.device` this machine has: `cuda` without CUDA is refused as such (not as a bad file);
+    with `compute` (a command that computes on it) not `meta`, which holds shapes and no values."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -91,6 +92,9 @@ def check_device(device: Any, argument: str = "device") -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(f"{argument}={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
                              f"device(s)", argument=argument)
+    elif compute and dev.type == "meta":
+        raise InputError(f"{argument}={str(device)!r}: the meta device holds shapes and no values, so nothing can be "
+                         "computed on it; use 'cpu' or 'cuda'", argument=argument)
     elif dev.type not in ("cpu", "meta", "mps") or (dev.type == "mps" and not torch.backends.mps.is_available()):
         raise InputError(f"{argument}={str(device)!r}: expected 'cpu' or 'cuda' (a device this machine has)",
                          argument=argument)

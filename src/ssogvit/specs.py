@@ -45,7 +45,7 @@ __all__ = [
     "Spec", "Int", "Float", "Choice", "Flag", "Text", "IntOrPair", "Items", "Ints", "checked", "check_args",
     "AppliesOnly", "check_applies", "check_images",
     "IMG_SIZE", "PATCH_SIZE", "BATCH_SIZE", "NUM_CLASSES", "IN_CHANS", "NUM_WORKERS", "SEED",
-    "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE", "add_img_size_option",
+    "EMBED_DIM", "NUM_HEADS", "DEPTH", "MLP_RATIO", "NUM_REGISTERS", "DROP_RATE", "GRID_RATIO", "add_img_size_option",
 ]
 
 
@@ -394,6 +394,8 @@ def check_args(specs: Mapping[str, Spec], values: Mapping[str, Any]) -> dict[str
 # -- the arguments several surfaces share (a constructor, a command-line option and a run-config key) -------------
 
 #: image side in pixels (`create_model(img_size=)`, `ssogvit eval --img-size`, `data.img_size`)
+#: a grid's ratio to another (`rescale_field`): new grid over old, positive and finite
+GRID_RATIO = Float(0, low_open=True)
 IMG_SIZE = Int(1, 16384)
 
 

@@ -168,6 +168,9 @@ def _cannot_carry(attn: nn.Module) -> list[str]:
         problems.append("separate q/v biases outside the qkv projection")
     if getattr(attn, "gate", None) is not None:
         problems.append("an output gate")
+    if float(getattr(getattr(attn, "attn_drop", None), "p", 0.0)) > 0:
+        problems.append("attention dropout (attn_drop_rate > 0): SSoG has no attention probabilities to drop; build "
+                        "the timm model with attn_drop_rate=0")
     qkv, proj = getattr(attn, "qkv", None), getattr(attn, "proj", None)
     if not isinstance(qkv, nn.Linear) or not isinstance(proj, nn.Linear):
         problems.append("no fused qkv and proj linear layers")

@@ -123,10 +123,12 @@ def _build_or_load() -> ctypes.CDLL:
 
 
 @torch.compiler.assume_constant_result
-def available() -> bool:
+def available(dtype: torch.dtype | None = None) -> bool:
     """Whether the C kernel can be used: wanted (``enabled``, ``SSOGVIT_CPU_KERNEL``), built, and checked against the
-    dense reference in this process. ``torch.compile`` takes the answer as a constant of its graph."""
-    return _wanted() and _library() is not None and _checked()
+    dense reference in this process, in ``dtype`` (each dtype's check on its first use: a float32 model's process
+    never pays float64's) or, without one, in every dtype it mixes. ``torch.compile`` takes the answer as a constant
+    of its graph."""
+    return _wanted() and _library() is not None and all(_checked(d) for d in ((dtype,) if dtype else _TOLERANCE))
 
 
 def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str | None:
@@ -136,7 +138,7 @@ def unsupported(kind: str, values: Tensor, *operands: Tensor, auto: bool) -> str
         return f"the C kernel mixes float32 and float64 CPU tensors, got {values.dtype} on {values.device}"
     if any(t.dtype != values.dtype or t.device != values.device for t in operands):
         return "the C kernel needs the values and the field in one dtype on one device"
-    if not available():
+    if not available(values.dtype):
         return (f"the C kernel is turned off ({ENV_SWITCH}=0 or cpu.enabled(False))" if not _wanted() else
                 "the C kernel could not be built or failed its check (see the warning)")
     return None
@@ -185,7 +187,7 @@ def _narrow(bands: tuple[Tensor, ...] | None, *lengths: int | Tensor) -> tuple[T
     return bands if bands is not None and all(banded(b, n) for b, n in zip(bands, lengths)) else None
 
 
-def _field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+def field_bands(mu: Tensor, scale: Tensor, grid: tuple[int, int], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     """The field's bands (``core.field_bands``, ``(H, R, 2)`` centres and scales) where they pay, else ``None``: what
     its op's forward and backward both read."""
     if not may_band(scale, grid, dtype):
@@ -280,7 +282,7 @@ def _fixed_mix_backward(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, la
 def _fixed_grads(grad: Tensor, values: Tensor, ky: Tensor, kx: Tensor, lam: Tensor,
                  bands: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``ssog_fixed_grad_*``: the gradients of the fixed mixing for the values, both tables and ``lam``; with
-    ``bands`` (``_field_bands``: the tables must be that field's) every product reads only the bands, and the
+    ``bands`` (``field_bands``: the tables must be that field's) every product reads only the bands, and the
     tables' gradients are zero outside them (docs/operator.md, "Bands")."""
     grad, values = _rows(grad), _rows(values)
     (b, t, d), (h, r), (gh, gw) = values.shape, lam.shape, _grid(ky, kx)
@@ -393,7 +395,7 @@ def _field_mix(values: Tensor, mu: Tensor, scale: Tensor, lam: Tensor, gh: int, 
     ``(gh, gw)``. One op each way for what a training step would otherwise build and differentiate in a dozen."""
     values = _rows(values)
     out = values.new_empty(values.shape)
-    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, _field_bands(mu, scale, (gh, gw), values.dtype))
+    _fixed_into(out, values, *_field_tables(mu, scale, gh, gw), lam, field_bands(mu, scale, (gh, gw), values.dtype))
     return out
 
 
@@ -404,7 +406,7 @@ def _field_mix_backward(grad: Tensor, values: Tensor, mu: Tensor, scale: Tensor,
     rebuilt, the fixed mixing's backward (reading the bands the forward reads, where the field is finite; docs/
     operator.md, "Bands"), then the tables'."""
     ky, kx = _field_tables(mu, scale, gh, gw)
-    bands = _field_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
+    bands = field_bands(mu, scale, (gh, gw), values.dtype) if _finite(mu, scale, lam) else None
     g_values, g_ky, g_kx, g_lam = _fixed_grads(grad, values, ky, kx, lam, bands)
     g_mu, g_scale = zip(*(_axis_grads(g, k, mu[..., i], scale[..., i]) for i, (g, k) in
                           enumerate(((g_ky, ky), (g_kx, kx)))))
@@ -556,25 +558,28 @@ def steered_backward(grad: Tensor, values: Tensor, grid: tuple[int, int], mu: Te
 # The first use's check against the dense reference
 
 
+#: The largest relative difference from the dense reference that the first-use check accepts, per dtype.
+_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
 @functools.cache
-def _checked() -> bool:
+def _checked(dtype: torch.dtype) -> bool:
     """The kernel's mixing (steered and fixed) and both backwards against the dense reference (autograd through it)
     on small problems with centres inside and outside the grid, narrow and wide kernels and one prefix token, in
-    both dtypes: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
+    ``dtype``: one warning and ``False`` if they differ. It runs wherever the first use happens, so it sets the
     modes it needs itself: autograd on (not under ``torch.inference_mode``), autocast off (the reference's float32
     matmuls must stay float32), and saved-tensor hooks of its own (the first use can be inside a gradient-checkpointed
     block, whose hooks would take the check's tensors for the block's)."""
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         g = torch.Generator().manual_seed(0)
-        for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-            for kind in ("steered", "fixed"):
-                worst = _check(kind, dtype, g)
-                if not worst < tol:
-                    warnings.warn(f"ssogvit: the CPU kernel's {kind} mixing disagrees with the dense reference (max "
-                                  f"relative difference {worst:.3g} in {dtype}); using the torch path",
-                                  RuntimeWarning, stacklevel=4)
-                    return False
+        for kind in ("steered", "fixed"):
+            worst = _check(kind, dtype, g)
+            if not worst < _TOLERANCE[dtype]:
+                warnings.warn(f"ssogvit: the CPU kernel's {kind} mixing disagrees with the dense reference (max "
+                              f"relative difference {worst:.3g} in {dtype}); using the torch path",
+                              RuntimeWarning, stacklevel=4)
+                return False
     return True
 
 

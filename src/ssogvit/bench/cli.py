@@ -284,6 +284,7 @@ def _flops(args: argparse.Namespace) -> int:
             parts, (gh, gw) = flops_breakdown(model, res), grid_of(model, res)
             row = {"model": name, "res": res, "tokens": model.num_prefix_tokens + gh * gw,
                    "gflops": parts["total"] / 1e9, "attention_gflops": parts["mixer"] / 1e9,
+                   "attention_read_gflops": (parts["mixer"] - parts["mixer_core"] + parts["mixer_core_read"]) / 1e9,
                    "mlp_gflops": parts["mlp"] / 1e9, "patch_embed_gflops": parts["patch_embed"] / 1e9}
             paper = "mha" if model.mixer_name.startswith("mha") else model.mixer_name
             if (model.embed_dim, model.depth) == (768, 12):
@@ -299,11 +300,11 @@ def _flops(args: argparse.Namespace) -> int:
         return f"{100 * (a / b - 1):+.2f}%" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
 
     lines = [[r["model"], r["res"], r["tokens"], cell(r["gflops"]), cell(r["attention_gflops"]),
-              cell(r.get("measured_gflops")), rel(r.get("measured_gflops"), r["gflops"]),
+              cell(r["attention_read_gflops"]), cell(r.get("measured_gflops")), rel(r.get("measured_gflops"), r["gflops"]),
               cell(r.get("paper_gflops"), ".1f"), rel(r["gflops"], r.get("paper_gflops")),
               cell(r.get("paper_attention_gflops"), ".1f"), rel(r["attention_gflops"], r.get("paper_attention_gflops"))]
              for r in rows]
-    print(text := markdown_table(["model", "res", "tokens", "GFLOPs", "attention GFLOPs", "FlopCounterMode", "diff",
+    print(text := markdown_table(["model", "res", "tokens", "GFLOPs", "attention GFLOPs", "read", "FlopCounterMode", "diff",
                                   "paper", "diff", "paper attention", "diff"], lines).rstrip("\n"))
     if out is not None:
         contents = {"json": json.dumps(rows, indent=1) + "\n", "md": text + "\n", "csv": csv_text(rows)}

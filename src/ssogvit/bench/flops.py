@@ -34,28 +34,37 @@ def find_mixers(module: nn.Module) -> list[nn.Module]:
 
 
 def mixer_flops(mixer: nn.Module, grid: tuple[int, int], num_prefix_tokens: int = 1) -> dict[str, int]:
-    """FLOPs of one call of one mixer on one image: ``projections``, ``core``, ``steering`` and ``total``; a mixer with
-    a method ``flops(grid, num_prefix_tokens)`` is taken at its word (window, neighbourhood, linear attention), one that
-    is neither SSoG, nor dense attention, nor counts its own is a ``TypeError`` (never a guess)."""
+    """FLOPs of one call of one mixer on one image: ``projections``, ``core``, ``steering`` and ``total`` by the
+    definition, and ``core_read``, the core's FLOPs over the kernel entries the C kernel reads (SSoG's bands where they
+    pay, at its fixed field's widths, which a steered field starts from: ``SSoGAttention.read_entries``; the
+    definition's elsewhere); a mixer with a method ``flops(grid, num_prefix_tokens)`` is taken at its word (window,
+    neighbourhood, linear attention), one that is neither SSoG, nor dense attention, nor counts its own is a
+    ``TypeError`` (never a guess)."""
     gh, gw = to_2tuple(grid)
     n, steer = gh * gw, 0
     t = n + num_prefix_tokens
     if callable(getattr(mixer, "flops", None)):
-        return mixer.flops((gh, gw), num_prefix_tokens)
+        own = mixer.flops((gh, gw), num_prefix_tokens)
+        return own | {"core_read": own.get("core_read", own["core"])}
     if is_ssog(mixer):
         d = mixer.v.out_features
         proj = n * d * d + t * d * d  # values of the patches only, output projection of every token
         core = int(mixer.mu.shape[1]) * d * n * (gh + gw) + num_prefix_tokens * n * d
+        # the entries the C kernel reads: each x-row's of every query row, each y-row's of every query column
+        ry, rx = mixer.read_entries((gh, gw))
+        read = d // mixer.num_heads * (gw * ry + gh * rx) + num_prefix_tokens * n * d
         maps = [getattr(mixer, f"{p}_steer", None) for p in ("mu", "sigma", "lambda")]
-        steer = sum(n * m.in_features * m.out_features for m in maps if isinstance(m, nn.Linear))
+        # the maps run on every token (prefix rows included: their outputs are not copied out of the patch rows)
+        steer = sum(t * m.in_features * m.out_features for m in maps if isinstance(m, nn.Linear))
     elif isinstance(mixer, _ATTENTION):
         d = mixer.embed_dim if isinstance(mixer, nn.MultiheadAttention) else mixer.qkv.in_features
         proj, core = 4 * t * d * d, 2 * t * t * d
+        read = core
     else:
         raise TypeError(f"cannot count the FLOPs of {type(mixer).__name__}: not SSoG or dense attention, and it has "
                         "no flops(grid, num_prefix_tokens)")
     out = {"projections": 2 * proj, "core": 2 * core, "steering": 2 * steer}
-    return out | {"total": sum(out.values())}
+    return out | {"total": sum(out.values()), "core_read": 2 * read}
 
 
 def _patch_conv(model: nn.Module) -> nn.Conv2d:
@@ -74,18 +83,19 @@ def grid_of(model: nn.Module, img_size: int | tuple[int, int]) -> tuple[int, int
 def flops_breakdown(model: nn.Module, img_size: int | tuple[int, int]) -> dict[str, int]:
     """Forward FLOPs per image of a ViT-like model, by part: ``patch_embed``, ``mixer`` (all applications) with
     ``mixer_projections``, ``mixer_core``, ``mixer_steering``; ``mlp`` (the blocks' other linear layers), ``head``,
-    ``total``. ``model.depth``, where present, is the number of block applications (looped and ODE models)."""
+    ``total``; and ``mixer_core_read``, ``total_read``: the same over the kernel entries the C kernel reads
+    (``mixer_flops``' ``core_read``). ``model.depth``, where present, is the number of block applications (looped and ODE models)."""
     (gh, gw), prefix, conv = grid_of(model, img_size), int(getattr(model, "num_prefix_tokens", 1)), _patch_conv(model)
     t = gh * gw + prefix
     blocks, depth = list(getattr(model, "blocks", [])), getattr(model, "depth", None)
     if isinstance(depth, int) and blocks and depth % len(blocks):
         raise ValueError(f"model.depth={depth} is not a multiple of its {len(blocks)} blocks")
     reps = depth // len(blocks) if isinstance(depth, int) and blocks else 1
-    parts = dict.fromkeys(("mixer_projections", "mixer_core", "mixer_steering", "mlp"), 0)
+    parts = dict.fromkeys(("mixer_projections", "mixer_core", "mixer_steering", "mixer_core_read", "mlp"), 0)
     for block in blocks:
         mixers = find_mixers(block)
         for f in (mixer_flops(m, (gh, gw), prefix) for m in mixers):
-            for part in ("projections", "core", "steering"):
+            for part in ("projections", "core", "steering", "core_read"):
                 parts[f"mixer_{part}"] += reps * f[part]
         inside = {id(p) for m in mixers for p in m.modules()}
         for m in (m for m in block.modules() if id(m) not in inside):
@@ -98,7 +108,8 @@ def flops_breakdown(model: nn.Module, img_size: int | tuple[int, int]) -> dict[s
            * conv.kernel_size[1], **parts,
            "mixer": parts["mixer_projections"] + parts["mixer_core"] + parts["mixer_steering"],
            "head": 2 * head.in_features * head.out_features if isinstance(head, nn.Linear) else 0}
-    return out | {"total": out["patch_embed"] + out["mixer"] + out["mlp"] + out["head"]}
+    total = out["patch_embed"] + out["mixer"] + out["mlp"] + out["head"]
+    return out | {"total": total, "total_read": total - out["mixer_core"] + out["mixer_core_read"]}
 
 
 def count_flops(model: nn.Module, img_size: int | tuple[int, int]) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ssogvit.bench import memory
-from ssogvit.bench.flops import count_flops, grid_of, mixer_flops
+from ssogvit.bench.flops import flops_breakdown, grid_of, mixer_flops
 from ssogvit.layers import create_mixer
 from ssogvit.models import create_model
 
@@ -29,13 +29,18 @@ _AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Callable[[], Any], torch.Tensor, dict]:
     """``(module, forward, x, info)``: ``forward()`` runs the module once on the input ``x``; ``info``: GFLOPs per
-    image (``None`` for a mixer that does not count its FLOPs) and, for a model, its grid and tokens."""
+    image by the definition (``None`` for a mixer that does not count its FLOPs) and over the entries the C kernel
+    reads (``gflops_read_per_image``: ``ssogvit.bench.flops.mixer_flops``' ``core_read``) and, for a model, its grid
+    and tokens."""
     batch, kind, info, gflops = int(spec["batch"]), spec["kind"], {}, None
     if kind == "model":
         res = int(spec["res"])
         module = create_model(spec["model"], img_size=res, **dict(spec.get("model_kwargs") or {})).to(device)
         gh, gw = grid_of(module, res)
-        info, gflops = dict(grid=[gh, gw], tokens=module.num_prefix_tokens + gh * gw), count_flops(module, res)
+        parts = flops_breakdown(module, res)
+        info = dict(grid=[gh, gw], tokens=module.num_prefix_tokens + gh * gw,
+                    gflops_read_per_image=parts["total_read"] / 1e9)
+        gflops = parts["total"]
         x = torch.randn(batch, module.in_chans, res, res, device=device)
         forward = functools.partial(module, x)
     elif kind == "operator":
@@ -48,7 +53,9 @@ def build(spec: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, 
             module = create_mixer(spec["mixer"], dim, heads, **options).to(device)
             forward = functools.partial(module, x, grid=(gh, gw), num_prefix_tokens=prefix)
         with contextlib.suppress(TypeError):  # a mixer that does not count its FLOPs: timed and measured, no rates
-            gflops = mixer_flops(module, (gh, gw), prefix)["total"]
+            counted = mixer_flops(module, (gh, gw), prefix)
+            gflops = counted["total"]
+            info["gflops_read_per_image"] = (gflops - counted["core"] + counted["core_read"]) / 1e9
     elif kind == "matmul":  # the machine's dense matmul rate, the ceiling for every mixer
         size = int(spec.get("size", 2048))
         module, x = torch.nn.Linear(size, size, bias=False).to(device), torch.randn(size, size, device=device)

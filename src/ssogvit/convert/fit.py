@@ -94,11 +94,15 @@ class FitResult:
         maps: ``(block, head) -> {"teacher_mean", "teacher_image", "field"}``, the centre query's row over the grid
             ``(Gh, Gw)`` (the field's for the first image).
         grid: ``(Gh, Gw)``.
+        steps, lr: the fit's Adam steps per mixer and learning rate (0 steps: the fields were not fitted, the
+            report's "fitted field" is the student's initial one).
     """
 
     rows: list[dict] = field(default_factory=list)
     maps: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)
     grid: tuple[int, int] = (0, 0)
+    steps: int = 0
+    lr: float = 0.0
 
 
 @torch.no_grad()
@@ -128,7 +132,7 @@ def fit_fields(teacher: nn.Module, student: nn.Module, images: Tensor, *, steps:
                          f"{tuple(g * p for g, p in zip(grid, teacher.patch_embed.patch_size))} px")
     p, n = int(teacher.num_prefix_tokens), grid[0] * grid[1]
     centre = (grid[0] // 2) * grid[1] + grid[1] // 2
-    result = FitResult(grid=grid)
+    result = FitResult(grid=grid, steps=int(steps), lr=float(lr))
     for i, calls in _teacher_calls(teacher, images).items():
         x = torch.cat([c[0] for c in calls]).double()
         rows = torch.cat([c[1] for c in calls]).double()[:, :, p:, :]  # (B', H, N, P + N): patch queries
@@ -165,8 +169,12 @@ def format_report(result: FitResult) -> str:
     body = [[r["block"], r["head"], *(r[k] for k in keys)] for r in result.rows]
     mean = {k: sum(r[k] for r in result.rows) / max(len(result.rows), 1) for k in keys}
     n = result.grid[0] * result.grid[1]
+    fitted = (f"Each student field was fitted by {result.steps} Adam steps (learning rate {result.lr:g}) to its "
+              "teacher's attention." if result.steps else
+              "**The fields were not fitted (convert.fit_steps=0): every 'KL fit' below is of the student's initial "
+              "field, not of a fit.**")
     return (
-        f"# How Gaussian is this ViT?\n\nGrid {result.grid[0]}x{result.grid[1]} (uniform row entropy "
+        f"# How Gaussian is this ViT?\n\n{fitted}\n\nGrid {result.grid[0]}x{result.grid[1]} (uniform row entropy "
         f"{math.log(n):.3f} nats). Per head: KL (nats) of the teacher's patch-query attention rows (among patches) "
         "from the fitted Gaussian field and from the uniform row; explained = 1 - KL / KL(uniform); KL content = "
         "KL of the rows from their mean over images (what no fixed field can capture); prefix mass = attention "

@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ssogvit.documents import input_folder
-from ssogvit.specs import Choice, Flag, Float, Int
+from ssogvit.specs import AppliesOnly, Choice, Flag, Float, Int, check_applies
 from ssogvit.outputs import atomic_write, check_output_folder, write_json, write_text
 from ssogvit.train.run_folder import RunFolder
 
@@ -51,6 +51,21 @@ CONVERT_RULES = {
     "convert.kd_weight": Float(0), "convert.feature_weight": Float(0), "convert.field_lr_scale": Float(0, low_open=True),
     "convert.steps_per_block": Int(1, 1_000_000),
 }
+#: the conversion's options that the others can leave unused (``specs.check_applies``): refused where they would be
+#: recorded and ignored
+CONVERT_APPLIES = {
+    "convert.feature_weight": AppliesOnly(lambda c: c["recipe"] != "logits",
+                                          "convert.recipe=blocks or progressive (the hidden-state matching)"),
+    "convert.steps_per_block": AppliesOnly(lambda c: c["recipe"] == "progressive", "convert.recipe=progressive"),
+    "convert.fit_lr": AppliesOnly(lambda c: c["fit_steps"] > 0, "convert.fit_steps > 0 (a field fit)"),
+}
+
+
+def _convert_defaults() -> dict[str, Any]:
+    """The ``convert:`` section as conf/convert.yaml declares it (what an option left alone is)."""
+    from ssogvit.train.config import compose
+
+    return OmegaConf.to_container(compose(config_name="convert", allow_unset=True).convert, resolve=False)
 
 
 def calibration_images(folder: str | Path | None, dm: Any, count: int) -> torch.Tensor:
@@ -99,7 +114,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from ssogvit.train.config import check_run_config
-    from ssogvit.train.io import export_safetensors
+    from ssogvit.train.io import write_export
     from ssogvit.train.run import build_datamodule, build_trainer, fit
 
     start = time.perf_counter()
@@ -109,6 +124,9 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
         raise ValueError("no teacher: pass --teacher PATH (convert.teacher)")
     for key, spec in CONVERT_RULES.items():
         spec.check(c[key.split(".", 1)[1]], key)
+    defaults = _convert_defaults()
+    check_applies(CONVERT_APPLIES, {k: c[k.split(".", 1)[1]] for k in CONVERT_APPLIES},
+                  {k: defaults[k.split(".", 1)[1]] for k in CONVERT_APPLIES}, c)
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     teacher = load_teacher(c["teacher"], timm_model=c["timm_model"], timm_kwargs=c["timm_kwargs"],
                            use_ema=bool(c["use_ema"]))
@@ -123,7 +141,7 @@ def convert(cfg: DictConfig, *, verbose: bool = True) -> dict[str, Any]:
     with folder.claim(cfg.get("resume"), OmegaConf.to_container(cfg, resolve=True)) as resume:
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
         summary = _convert(cfg, c, folder.path, teacher, student, dm, resume, start, verbose,
-                           build_trainer=build_trainer, fit=fit, export=export_safetensors)
+                           build_trainer=build_trainer, fit=fit, export=write_export)
         folder.write_state("finished", steps=summary["steps"], export=summary["export"])
     return summary
 
@@ -135,8 +153,8 @@ def _convert(cfg: DictConfig, c: dict[str, Any], out: Path, teacher, student, dm
         images = calibration_images(c["calib"], dm, int(c["calib_images"]))
         result = fit_fields(teacher, student, images, steps=int(c["fit_steps"]), lr=float(c["fit_lr"]))
         write_text(out / "fit" / "report.md", format_report(result), overwrite=True)  # this run's own files
-        write_json(out / "fit" / "report.json", {"grid": result.grid, "heads": result.rows}, overwrite=True,
-                   default=str)
+        write_json(out / "fit" / "report.json", {"grid": result.grid, "steps": result.steps, "lr": result.lr,
+                                                  "heads": result.rows}, overwrite=True, default=str)
         atomic_write(out / "fit" / "fields.png", lambda tmp: plot_fit(result, tmp), overwrite=True)
         fit_summary = {k: sum(r[k] for r in result.rows) / len(result.rows) for k in ("kl", "kl_uniform", "explained")}
 

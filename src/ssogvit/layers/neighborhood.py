@@ -98,6 +98,8 @@ class NeighborhoodAttention(LocalAttention):
         flex_attention."""
         if self.impl != "auto":
             return self.impl == "flex"
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():  # no exporter keeps flex_attention's kernel
+            return False
         cuda = device.type == "cuda"
         return drop == 0.0 and (cuda or (torch.compiler.is_compiling() and not grad))
 

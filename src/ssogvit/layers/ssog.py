@@ -10,9 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from ssogvit import core, ops, reference
+from ssogvit.backends import cpu
 from ssogvit.backends.torch import default_head_chunk
 from ssogvit.errors import InputError
-from ssogvit.specs import DROP_RATE, EMBED_DIM, NUM_HEADS, AppliesOnly, Choice, Flag, Float, Int, checked
+from ssogvit.specs import DROP_RATE, EMBED_DIM, GRID_RATIO, NUM_HEADS, AppliesOnly, Choice, Flag, Float, Int, checked
 
 __all__ = ["SSoGAttention", "STEER_PATHS", "SSOG_IMPLS", "NUM_ATOMS", "RADIUS", "is_ssog"]
 
@@ -210,6 +211,20 @@ class SSoGAttention(nn.Module):
             self._kernel_cache = ((tuple(grid), dtype, self.mu.device), tuple(v.clone() for v in values), tables)
         return tables if bands else tables[:3]
 
+    def read_entries(self, grid: tuple[int, int], dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+        """The fixed field's kernel entries that the C kernel reads at ``grid`` in ``dtype``, summed over heads, atoms
+        and query positions, per axis ``(y, x)``: its bands' where they are narrow enough to pay
+        (``backends.cpu.field_bands``; docs/operator.md, "Bands"), else whole rows (``H R Gh^2``, ``H R Gw^2``; also
+        for a field without values, on the meta device)."""
+        bands = None
+        if not self.mu.is_meta:
+            with torch.no_grad():
+                scale = core.kernel_scale(self.sigma(), self._tau_hr()[..., None])
+                bands = cpu.field_bands(self.mu.cpu(), scale.cpu(), tuple(grid), dtype)
+        if bands is None:
+            return tuple(self.num_heads * self.num_atoms * n * n for n in grid)
+        return tuple(int((b[..., 1] - b[..., 0]).sum()) for b in bands)
+
     def _steering(self) -> tuple[Tensor, ...]:
         """The steering parameters in ``core.token_geometry``'s order: the gates' ``alpha``, then each map's weight
         and bias."""
@@ -319,17 +334,31 @@ class SSoGAttention(nn.Module):
         excess = (sigma - (self.sigma_min + self.eps_sigma)).clamp_min(torch.finfo(sigma.dtype).eps)
         return excess + torch.log(-torch.expm1(-excess))  # softplus^{-1}(y) = log(exp(y) - 1), stable for large y
 
-    @torch.no_grad()
-    def rescale_field(self, factor_y: float, factor_x: float) -> None:
+    @checked
+    def rescale_field(self, factor_y: Annotated[float, GRID_RATIO], factor_x: Annotated[float, GRID_RATIO]) -> None:
         """Scale the field in place by a grid ratio (docs/models.md, patch-size transfer): ``mu`` and ``sigma`` per
-        axis (``sigma`` through ``rho``, see ``rho_for``), the steering radius by the geometric mean of the factors."""
-        if not (0 < factor_y < math.inf and 0 < factor_x < math.inf):
-            raise InputError(f"grid ratios must be positive and finite, got ({factor_y}, {factor_x})",
-                             argument="factor")
+        axis (``sigma`` through ``rho``, see ``rho_for``), the steering radius by the geometric mean of the factors.
+        The new field is checked first (``rescaled_field``): a refusal changes nothing."""
+        rho, mu, radius = self.rescaled_field(factor_y, factor_x)
+        with torch.no_grad():
+            self.rho.copy_(rho)
+            self.mu.copy_(mu)
+        self.radius = radius
+
+    @checked
+    def rescaled_field(self, factor_y: Annotated[float, GRID_RATIO], factor_x: Annotated[float, GRID_RATIO]
+                       ) -> tuple[Tensor, Tensor, float]:
+        """``(rho, mu, radius)`` that ``rescale_field`` would set, nothing changed; an ``InputError`` where they are
+        not finite in the parameters' dtype (a ratio of 1e39 is a finite float that float32 centres cannot hold)."""
         factor = torch.tensor([factor_y, factor_x], dtype=self.mu.dtype, device=self.mu.device)
-        self.rho.copy_(self.rho_for(self.sigma() * factor))
-        self.mu.mul_(factor)
-        self.radius = self.radius * math.sqrt(factor_y * factor_x)
+        with torch.no_grad():
+            rho, mu = self.rho_for(self.sigma() * factor), self.mu * factor
+        radius = self.radius * math.sqrt(factor_y * factor_x)
+        if not (bool(torch.isfinite(rho).all()) and bool(torch.isfinite(mu).all()) and math.isfinite(radius)):
+            raise InputError(f"grid ratios ({factor_y}, {factor_x}) leave the field non-finite in {self.mu.dtype} "
+                             "(its centres, widths or steering radius overflow): expected ratios that keep it finite",
+                             argument="factor", expected="grid ratios that keep the field finite")
+        return rho, mu, radius
 
 
 def is_ssog(module: nn.Module) -> bool:

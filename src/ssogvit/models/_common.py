@@ -27,6 +27,7 @@ from ssogvit.specs import (
     DEPTH,
     DROP_RATE,
     EMBED_DIM,
+    GRID_RATIO,
     IMG_SIZE,
     IN_CHANS,
     MLP_RATIO,
@@ -652,12 +653,15 @@ class VisionTransformerBase(TimmVisionTransformer):
         self.patch_size = patch_size
         self.config["patch_size"] = patch_size
 
-    def rescale_field(self, factor_y: float, factor_x: float) -> None:
+    @checked
+    def rescale_field(self, factor_y: Annotated[float, GRID_RATIO], factor_x: Annotated[float, GRID_RATIO]) -> None:
         """Scale every SSoG field by a grid ratio in place (``SSoGAttention.rescale_field``), so each Gaussian covers
         the same image area on a grid ``factor`` times finer; a model without SSoG is left alone. The steering
         radius is an option, not a parameter: it is recorded in ``config`` so ``create_model(**config)`` rebuilds
         this model."""
         ssog = [m for m in self.mixers() if is_ssog(m)]
+        for mixer in ssog:  # every field checked before any changes: a refusal leaves the model as it was
+            mixer.rescaled_field(factor_y, factor_x)
         for mixer in ssog:
             mixer.rescale_field(factor_y, factor_x)
         if ssog and ssog[0].steer:

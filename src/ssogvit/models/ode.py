@@ -124,13 +124,17 @@ class Flow(nn.Module):
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def _view(self, start: int, stop: int) -> Flow:
+    def require_steps(self) -> None:
+        """A ``ValueError`` saying why where the solve cannot be split into grid steps (``stepped``)."""
         if not self.stepped:
             why = "the adjoint method solves the whole interval" if self.adjoint else "its steps are not self-contained"
             raise ValueError(
                 f"the ODE solve with solver {self.solver!r} cannot be split into grid steps ({why}); intermediates, "
                 f"pruning and gradient checkpointing need one of {STEPPED_SOLVERS} without adjoint"
             )
+
+    def _view(self, start: int, stop: int) -> Flow:
+        self.require_steps()
         return Flow(
             self.block, total=self.total, solver=self.solver, scale=self.scale, rtol=self.rtol, atol=self.atol,
             adjoint=self.adjoint, start=start, stop=stop, counter=self.counter,
@@ -225,6 +229,13 @@ class ODEViT(VisionTransformerBase):
         c = self.config
         return Flow(block, total=depth, solver=c["solver"], scale=scale, rtol=c["rtol"], atol=c["atol"],
                     adjoint=c["adjoint"])
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's; checkpointing runs the solve step by step, so a solve that cannot be split is refused here, at
+        the call, rather than at the next forward."""
+        if enable:
+            self.blocks.require_steps()
+        super().set_grad_checkpointing(enable)
 
     def _set_depth(self, depth: int) -> None:
         # The first ``depth`` of ``total`` steps integrate to t = depth / total: the same flow as ``depth`` steps on

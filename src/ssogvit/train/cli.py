@@ -13,6 +13,7 @@ from ssogvit.errors import ArgumentParser, report_errors
 from ssogvit.documents import read_document
 from ssogvit.resources import check_device, check_memory
 from ssogvit.specs import PATCH_SIZE, Int, add_img_size_option
+from ssogvit.layers import is_ssog
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
 from .config import split_override
@@ -196,10 +197,13 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     _refuse_flag_overrides("eval", {"data.img_size": "--img-size"} if args.img_size else {}, overrides)
     if args.rescale_field and not (args.img_size or args.patch_size):
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
-    check_device(args.device, "--device")
+    check_device(args.device, "--device", compute=True)
     if args.json:  # before any work: an existing file (or the checkpoint itself) is never replaced unasked
         check_output_file(args.json, "--json", overwrite=args.overwrite, inputs=checkpoint_files(args.ckpt))
     model = load_model(args.ckpt, use_ema=args.ema)
+    if args.rescale_field and not any(is_ssog(m) for m in model.modules()):
+        raise ConfigError(f"--rescale-field rescales SSoG fields, and {args.ckpt} holds a model without one "
+                          f"({model.config.get('name', type(model).__name__)}): leave it out")
     trained_grid = tuple(model.grid_size)  # (gh, gw) the model was trained on
     if args.patch_size:
         try:

@@ -36,7 +36,8 @@ from ssogvit.models import check_model_config, create_model, list_models, timm_n
 from ssogvit.models.registry import weights_path
 from ssogvit.models.sealed import (COPY_KEY, DIGEST_KEY, UnverifiedFileWarning, WeightsFileError, content_digest,
                                    file_config, seal, verify)
-from ssogvit.outputs import atomic_write
+from ssogvit.outputs import (OutputExistsError, atomic_write, check_output_file, check_output_folder,
+                             check_replaceable)
 
 from .errors import CheckpointError, NonFiniteError
 
@@ -275,49 +276,90 @@ def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, o
 
 
 def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
-    """The data settings a model's run was trained with, as sealed with the model: an export's the `data` of its
-    `model.json` (`export_safetensors`, checked against the seal by `read_sealed`), a checkpoint's its `data`
-    hyper-parameter (under its digest). None for a file without them (the run's `config.yaml` is then the only
-    record). The run's `config.yaml` beside the file, when there is one, must hold the same data but for where the
-    data are and how they are loaded (`IGNORED_KEYS`, which a resume may change too, taken from it): one edited
-    otherwise is refused, naming the key (an edited split would score training images as validation)."""
+    """The data settings a model's run was trained with, as sealed with the model: an export's the `data` of the
+    readable copy sealed in its header (`COPY_KEY`, under the digest; `model.json` beside it is checked against it,
+    never read in its place), a checkpoint's its `data` hyper-parameter (under its digest). None for a file without
+    them (the run's `config.yaml` is then the only record). The run's `config.yaml` beside the file, when there is
+    one, must describe the same model and hold the same data but for where the data are and how they are loaded
+    (`IGNORED_KEYS`, which a resume may change too, taken from it): one edited otherwise is refused, naming the key
+    (an edited split would score training images as validation)."""
     p = weights_path(path)
-    if p.suffix == ".safetensors" and p.with_suffix(".json").is_file():
-        read_sealed(p, ours=False)  # the digest, and every entry of the copy against the seal
-        data, where = _export_meta(p)[0].get("data"), p.with_suffix(".json")
+    model = None
+    if p.suffix == ".safetensors":
+        record = sealed_record(p)
+        if record is None and not p.with_suffix(".json").is_file():
+            return None
+        if record is None:  # a file sealed before its readable copy was: the digest at least
+            read_sealed(p, ours=False)
+        data, where = (record if record is not None else _export_meta(p)[0]).get("data"), p
+        model = (record or {}).get("model_config")
+        if record is None and data is not None:
+            warnings.warn(UnverifiedFileWarning(
+                f"{p} was written before ssogvit sealed a run's data settings with its weights: the data settings "
+                f"(split, image size, normalisation) are read from {p.with_suffix('.json')}, unverified"),
+                stacklevel=2)
     elif p.suffix == ".ckpt":
-        data, where = (read_checkpoint(p, mmap=True).get("hyper_parameters") or {}).get("data"), p
+        hp = read_checkpoint(p, mmap=True).get("hyper_parameters") or {}
+        data, where, model = hp.get("data"), p, hp.get("model_config")
+        if data is None:
+            warnings.warn(UnverifiedFileWarning(
+                f"{p} was written before ssogvit sealed a run's data settings with its weights: the data settings "
+                "(split, image size, normalisation) are read from the run config, unverified"), stacklevel=2)
     else:
         return None
     if data is not None and not isinstance(data, dict):
         raise CheckpointError(f"{where}: its data config is not a mapping")
-    if (data is None and p.suffix == ".ckpt") or (data is not None and p.suffix == ".safetensors"
-                                                  and not _copy_sealed(p)):
-        warnings.warn(UnverifiedFileWarning(
-            f"{p} was written before ssogvit sealed a run's data settings with its weights: the data settings "
-            f"(split, image size, normalisation) are read from {where if data is not None else 'the run config'}, "
-            "unverified"), stacklevel=2)
     run_config = p.parent.parent / "config.yaml"
-    if data is not None and p.parent.name in ("checkpoints", "export") and run_config.is_file():
+    if p.parent.name in ("checkpoints", "export") and run_config.is_file():
         from .run_folder import IGNORED_KEYS, config_diff
 
         document = read_document(run_config, "the run's config.yaml")
-        recorded = document.get("data") if isinstance(document, dict) else None
-        differ = config_diff({"data": data}, {"data": recorded}, labels=(p.name, "config.yaml"))
+        document = document if isinstance(document, dict) else {}
+        recorded = document.get("data")
+        differ = [] if data is None else config_diff({"data": data}, {"data": recorded}, labels=(p.name,
+                                                                                                 "config.yaml"))
+        differ = differ or _model_differs(model, document.get("model"), p)
         if differ:
             raise CheckpointError(f"{run_config} was changed since {p} was written ({differ[0]}): the file's own "
                                   f"record holds; restore the run's config.yaml")
-        moved = {k[len("data."):] for k in IGNORED_KEYS if k.startswith("data.")} & set(recorded or {})
-        data = {**data, **{k: recorded[k] for k in moved}}
+        if data is not None:
+            moved = {k[len("data."):] for k in IGNORED_KEYS if k.startswith("data.")} & set(recorded or {})
+            data = {**data, **{k: recorded[k] for k in moved}}
     return data
 
 
-def _copy_sealed(path: Path) -> bool:
-    """Whether an export's seal holds its whole readable copy (`COPY_KEY`), so the copy's `data` is checked too."""
-    from safetensors import safe_open
+def sealed_record(path: Path) -> dict[str, Any] | None:
+    """The readable copy sealed in an export's header (`COPY_KEY`), the digest and the copy beside it checked
+    (`read_sealed`); None for a file sealed without it."""
+    copy = _safetensors_header(path).get(COPY_KEY)
+    if copy is None:
+        return None
+    read_sealed(path, ours=False)
+    record = json.loads(copy)
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: its sealed record is not a mapping")
+    return record
 
-    with safe_open(str(path), "pt") as f:
-        return COPY_KEY in (f.metadata() or {})
+
+def _model_differs(model: Any, section: Any, path: Path) -> list[str]:
+    """`config_diff` of a file's model config and the model its run's `config.yaml` describes (`model.name` and the
+    set `model.kwargs`, in the form the model records them); nothing to compare where either is missing or the file's
+    is not a model of ours by name (a converted timm student)."""
+    from .run_folder import config_diff
+
+    if not isinstance(model, Mapping) or "name" not in model or not isinstance(section, Mapping):
+        return []
+    kwargs = section.get("kwargs") if isinstance(section.get("kwargs"), Mapping) else {}
+    parts = [section.get(k) for k in ("family", "size", "mixer")]
+    if all(isinstance(x, str) for x in parts) and "-".join(parts) != model["name"]:  # what a report labels runs by
+        return [f"model.family, size, mixer: {path.name} {model['name']!r}, config.yaml {'-'.join(parts)!r}"]
+    described = {"name": section.get("name"), **{k: v for k, v in kwargs.items() if v is not None}}
+    try:
+        described = _file_model_config(described, "config.yaml")
+    except CheckpointError as err:
+        return [f"model: {err}"]
+    return config_diff({"model": json.loads(json.dumps(dict(model), default=str))},
+                       {"model": json.loads(json.dumps(described, default=str))}, labels=(path.name, "config.yaml"))
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
@@ -390,16 +432,32 @@ def export_safetensors(model: nn.Module, path: str | Path, *, extra: Mapping[str
                        overwrite: bool = False) -> Path:
     """Write `model`'s weights to `path` (`.safetensors`, sealed: its config in the header and one digest of the
     tensors and the header, `ssogvit.models.sealed`) and a readable copy of the config to the `.json` beside it,
-    atomically.
+    atomically. Both outputs are checked before anything is written (`ssogvit.outputs.check_output_file`: a run's
+    folder holds its run's files only, and only regular files are replaced).
 
     Args:
         extra: more JSON-able facts to store beside the config (metrics, data normalisation, classes...).
-        overwrite: replace files that exist (a run rewrites its own export); without it an existing file is an
-            `OutputExistsError` and nothing is written.
+        overwrite: replace files that exist; without it an existing file is an `OutputExistsError` and nothing is
+            written.
     """
+    path = Path(path)
+    if check_output_folder(path.parent, "path").exists():  # a folder to be created holds neither file yet
+        for p in (path, path.with_suffix(".json")):
+            check_output_file(p, "path", overwrite=overwrite, hint="overwrite=True")
+    return write_export(model, path, extra=extra, overwrite=overwrite)
+
+
+def write_export(model: nn.Module, path: Path, *, extra: Mapping[str, Any] | None = None,
+                 overwrite: bool = False) -> Path:
+    """`export_safetensors` without the run-folder rule: the writer of a run's own export (`ssogvit.train.run`), and
+    of `export_safetensors` once its outputs are checked. Neither file is written unless both may be replaced."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    for p in (path, path.with_suffix(".json")):
+        check_replaceable(p, "path")
+        if p.exists() and not overwrite:
+            raise OutputExistsError(f"path: {p} exists; pass overwrite=True to replace it, or choose another file",
+                                    argument="path")
     config = dict(model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]

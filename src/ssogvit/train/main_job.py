@@ -85,6 +85,28 @@ def plan_runs(out: Path, plan: dict[str, Any], overrides: Sequence[str] = (), *,
     return sorted(runs, key=lambda r: "steered" not in r.mixer)
 
 
+#: the settings the job sets for every run, and the option of `ssogvit main` that says what they are: an override of
+#: one would contradict the job's own record (its folders, table and lines name the job's values)
+JOB_SETS = {"experiment": "--mixers", "model.kwargs.global_pool": "--heads", "seed": "--seeds", "output_dir": "--out",
+            "resume": "--out (a new folder for each job)", "progress.mode": "--no-progress",
+            "logger": "the job (each run logs to CSV, which the comparison reads)"}
+
+
+def check_overrides(overrides: Sequence[str], epochs: int | None) -> None:
+    """Refuse an override of what the job sets for every run (`JOB_SETS`; `trainer.max_epochs` with `--epochs`),
+    naming the job's option instead: it would be recorded in each run but contradict the job's folders and table."""
+    from ssogvit.errors import InputError
+
+    from .config import split_override
+
+    owned = {**JOB_SETS, **({"trainer.max_epochs": "--epochs"} if epochs is not None else {})}
+    for override in overrides:
+        key = split_override(override)[0]
+        if key in owned:
+            raise InputError(f"{override!r}: ssogvit main sets {key} for every run itself; use {owned[key]}",
+                             argument=key)
+
+
 def run_overrides(run: MainRun, epochs: int | None) -> list[str]:
     """The Hydra overrides of one run: its experiment, head, seed and folder, then the user's overrides."""
     import torch
@@ -179,6 +201,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from .config import check_run_config, compose
     from .run_folder import FolderLock, fresh_folder
 
+    check_overrides(overrides, args.epochs)
     plan = load_plan()
     known = {entry["experiment"]: experiment_model(entry["experiment"]) for entry in plan["runs"]}
     suited = {mixer: head for mixer, head in known.values()}

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ssogvit.errors import report_errors
+from ssogvit.errors import InputError, report_errors
 from ssogvit.documents import input_folder, read_document
 from ssogvit.errors import InputError
 from ssogvit.specs import Int
@@ -118,6 +118,20 @@ def _head(model: dict[str, Any]) -> str:
     return str(default_pool(str(model.get("mixer"))) if pool is None else pool)
 
 
+def _check_record(path: Path) -> None:
+    """The run's config.yaml (what a report labels the run by) against the model and data its sealed export (else its
+    last checkpoint) records (`ssogvit.train.io.sealed_data_config`): an edited config.yaml is refused, naming the key."""
+    from .io import sealed_data_config
+
+    for sealed in (path / "export" / "model.safetensors", path / "checkpoints" / "last.ckpt"):
+        if sealed.is_file():
+            try:
+                sealed_data_config(sealed)
+            except InputError as err:
+                raise ReportError(f"{path}: {err}") from None
+            return
+
+
 def read_run(path: str | Path) -> RunLog:
     """The logged metrics and paper rows of the run in `path` (a folder written by `ssogvit train`)."""
     path = input_folder(path, "RUN_DIR")
@@ -129,6 +143,7 @@ def read_run(path: str | Path) -> RunLog:
     if not versions:
         raise ReportError(f"{path}: no logs/version_*/metrics.csv; expected a run folder written by `ssogvit train`")
     cfg = read_document(cfg_file, "config.yaml")  # bounded, never interpolated: a run folder may come from anyone
+    _check_record(path)
     try:
         meta = cfg.get("meta") or {}
         rows = list(meta.get("rows") or [])

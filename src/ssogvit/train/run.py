@@ -33,7 +33,7 @@ from .hydra_app import task_overrides
 from ssogvit.outputs import OutputError, check_output_folder
 
 from .errors import ConfigError
-from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, export_safetensors, read_model_config
+from .io import atomic_checkpoint_io, check_checkpoint, count_parameters, read_model_config, write_export
 from .module import ClassificationModule
 from .segmentation import SegmentationModule
 from .resume import EpochEndCheckpoint, check_resumable, epochs_done, save_resumable
@@ -246,6 +246,10 @@ def _check_task(cfg: DictConfig, dm, model_config: dict[str, Any]) -> str:
     metric of that task (`ckpt.monitor`); a `ConfigError` says what does not fit."""
     data_task = getattr(dm, "task", "classification")
     model_task = model_config.get("task") or "classification"
+    if data_task != model_task and cfg.transfer.ckpt:  # the source's architecture, task included, is what trains
+        raise ConfigError(f"data={cfg.data.name} is a {data_task} dataset but transfer.ckpt={cfg.transfer.ckpt} is a "
+                          f"{model_task} model, and a transfer keeps its source's task: transfer it to {model_task} "
+                          f"data, or train a {data_task} model")
     if data_task != model_task:
         raise ConfigError(f"data={cfg.data.name} is a {data_task} dataset but the model is a {model_task} model: set "
                           f"model.kwargs.task={'segmentation' if data_task == 'segmentation' else 'null'}")
@@ -304,14 +308,22 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     checked = check_resumable(planned, **same_run) if planned else None
     trainer = make_trainer()  # after every refusal: its banner belongs to a run that goes ahead
     with folder.claim(resume_setting, config) as resume:
-        epoch, step, done = -1, 0, 0
+        epoch, step, done, finished = -1, 0, 0, None
         if resume is not None:
             ckpt = checked if resume == planned else check_resumable(resume, **same_run)
             epoch, step, done = int(ckpt.get("epoch", -1)), int(ckpt.get("global_step", 0)), epochs_done(ckpt)
+            finished = _finished_record(cfg, output_dir, ckpt, done, step, start)
             del ckpt
         del checked
         prune_logs(output_dir, epoch=epoch, step=step)
         folder.begin(lambda tmp: OmegaConf.save(cfg, tmp, resolve=True), resumed_from=resume)
+        if finished is not None:  # killed after its final checkpoint and export, before run.json said so
+            if verbose:
+                print(f"{resume} holds the run's whole budget ({done} epochs) and its export is written: the run had "
+                      "finished; nothing is trained or rewritten")
+            folder.write_state("finished", epochs=finished["epochs"], steps=finished["steps"], best=finished["best"],
+                               export=finished["export"])
+            return finished
         if verbose and resume:
             print(f"resuming from {resume} ({done} epochs done, step {step})")
         summary = _fit(cfg, output_dir, trainer, dm, model_config, module, resume, start)
@@ -320,6 +332,34 @@ def _launch(cfg: DictConfig, callbacks: list | None, verbose: bool, start: float
     if verbose:
         print(format_summary(summary))
     return summary
+
+
+def _finished_record(cfg: DictConfig, output_dir: Path, ckpt: dict[str, Any], done: int, step: int,
+                     start: float) -> dict[str, Any] | None:
+    """The summary of a run whose resume checkpoint holds its whole budget (`trainer.max_epochs`, or `max_steps`) and
+    whose export was written after it, read from them; None otherwise. Fitting again would train nothing and then
+    rewrite the export without the metrics only training logs (its train and validation figures)."""
+    from .io import sealed_record
+
+    max_epochs, max_steps = cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps")
+    budget = (max_epochs is not None and int(max_epochs) > 0 and done >= int(max_epochs)) or (
+        max_steps is not None and int(max_steps) > 0 and step >= int(max_steps))
+    export, last = output_dir / "export" / "model.safetensors", output_dir / "checkpoints" / "last.ckpt"
+    if not budget or not cfg.export.safetensors or not export.is_file() or not last.is_file():
+        return None
+    if export.stat().st_mtime < last.stat().st_mtime:  # the export is an earlier one's: finish the run anew
+        return None
+    record = sealed_record(export) or {}
+    best = None
+    for key, state in (ckpt.get("callbacks") or {}).items():
+        if str(key).startswith("ModelCheckpoint") and isinstance(state, dict) and \
+                state.get("monitor") == str(cfg.ckpt.monitor) and state.get("best_model_score") is not None:
+            best = float(state["best_model_score"])
+    return {"name": str(cfg.name), "model": (record.get("model_config") or {}).get("name"),
+            "metrics": dict(record.get("metrics") or {}), "epochs": done, "steps": step, "best": best,
+            "monitor": str(cfg.ckpt.monitor), "time_s": time.perf_counter() - start, "output_dir": str(output_dir),
+            "checkpoints": str(output_dir / "checkpoints"), "last_ckpt": str(last), "logs": str(output_dir / "logs"),
+            "tensorboard": str(output_dir / "tb"), "export": str(export)}
 
 
 #: the folder rank 0 chose for `resume=new`, for the processes Lightning's launcher starts after it (DDP)
@@ -420,14 +460,14 @@ def _fit(cfg: DictConfig, output_dir: Path, trainer, dm, model_config: dict[str,
     }
     if trainer.is_global_zero and cfg.export.safetensors:
         extra = {"metrics": metrics, "data": OmegaConf.to_container(cfg.data, resolve=True), "run": summary["name"]}
-        path = export_safetensors(module.model, output_dir / "export" / "model.safetensors", extra=extra,
-                                  overwrite=True)  # the run's own export
+        path = write_export(module.model, output_dir / "export" / "model.safetensors", extra=extra,
+                            overwrite=True)  # the run's own export
         if module.ema is not None:
             ema_model = module.ema.module
             if not hasattr(ema_model, "config"):
                 ema_model.config = module.model.config
-            export_safetensors(ema_model, output_dir / "export" / "model_ema.safetensors",
-                               extra={**extra, "weights": "ema"}, overwrite=True)
+            write_export(ema_model, output_dir / "export" / "model_ema.safetensors",
+                         extra={**extra, "weights": "ema"}, overwrite=True)
         summary["export"] = str(path)
     return summary
 

@@ -113,7 +113,9 @@ class ProgressSettings:
 
     mode: str = setting("auto", doc="auto: Lightning's bar on a terminal, else lines; bar; lines (never a \\r frame); "
                                     "none")
-    every_n_steps: int = setting(0, doc="lines: also one line every N training steps (0: one line per epoch)")
+    every_n_steps: int = setting(0, Int(0), "lines: also one line every N training steps (0: one line per epoch)",
+                                 applies=AppliesOnly(lambda v: v("progress.mode") in ("auto", "lines"),
+                                                     "progress.mode=lines (or auto, lines where stdout is no terminal)"))
 
 
 @dataclass
@@ -184,15 +186,22 @@ class LossSettings:
     jasmin: JasminSettings = section(JasminSettings, "the attention regulariser of the ODE-ViT baseline")
 
 
+_MIXING = AppliesOnly(lambda v: v("mixup.mixup_alpha") > 0 or v("mixup.cutmix_alpha") > 0,
+                      "mixup or cutmix on (mixup.mixup_alpha > 0 or mixup.cutmix_alpha > 0)")
+
+
 @dataclass
 class MixupSettings:
     """`mixup`: timm's `Mixup` / CutMix (DeiT: 0.8 / 1.0); both alphas 0 switch it off."""
 
     mixup_alpha: float = setting(0.8, Float(0))
     cutmix_alpha: float = setting(1.0, Float(0))
-    prob: float = setting(1.0, Float(0, 1))
-    switch_prob: float = setting(0.5, Float(0, 1))
-    mode: str = setting("batch")
+    prob: float = setting(1.0, Float(0, 1), applies=_MIXING)
+    switch_prob: float = setting(0.5, Float(0, 1), "the chance of CutMix where both are on",
+                                 applies=AppliesOnly(lambda v: v("mixup.mixup_alpha") > 0 and v("mixup.cutmix_alpha") > 0,
+                                                     "mixup.mixup_alpha > 0 and mixup.cutmix_alpha > 0"))
+    mode: str = setting("batch", Choice(("batch", "pair", "elem")), "timm's: one draw per batch, pair or image",
+                        applies=_MIXING)
 
 
 @dataclass
