@@ -88,6 +88,14 @@ def test_a_time_only_sweep_plots_without_empty_legends_or_torchs_cuda_home_line(
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r.get("peak_mib") is None for r in rows)
     assert (tmp_path / "t_relative.png").stat().st_size > 0 and (tmp_path / "t_absolute.png").stat().st_size > 0
     assert not [str(w.message) for w in recwarn if "legend" in str(w.message)]
+    from matplotlib.image import imread
+
+    from ssogvit.bench.sweeps import plot_models, plot_relative  # no empty memory panels beside the times
+    with_memory = [dict(r, peak_mib=1.0 + i) for i, r in enumerate(rows)]
+    assert (imread(plot_relative(rows, tmp_path / "r.png")).shape[1]
+            < imread(plot_relative(with_memory, tmp_path / "rm.png")).shape[1])
+    assert (imread(plot_models(rows, tmp_path / "a.png")).shape[0]
+            < imread(plot_models(with_memory, tmp_path / "am.png")).shape[0])
     assert "No CUDA runtime" not in capfd.readouterr().err
     # a second run of the same name replaces nothing unless asked, and says so before measuring anything
     from ssogvit.outputs import OutputExistsError

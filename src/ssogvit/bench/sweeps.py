@@ -270,19 +270,23 @@ def plot_relative(rows: Sequence[dict], path: str | Path, baseline: str = "mha")
     table = [r for r in model_table(rows, baseline) if r.get("mixer") != r["baseline"] and "speedup" in r]
     if not table:
         return None
-    fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(11, 4.2))
+    memory = any(r.get("memory_saved") is not None for r in table)  # a time-only run (--no-memory): one panel
+    fig, axes = pyplot().subplots(1, 2 if memory else 1, figsize=(11 if memory else 6, 4.2), squeeze=False)
+    ax_t, ax_m = axes[0][0], axes[0][1] if memory else None
     batches, modes = sorted({r["batch"] for r in table}), {_mode(r) for r in table}
     keys = dict.fromkeys((r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) for r in table)
     for i, key in enumerate(keys):
         group = [r for r in table if (r["family"], r["size"], r["mixer"], r["baseline"], _mode(r)) == key]
         label = f"{key[0]}-{key[1]} {key[2]} vs {key[3]}" + (f", {key[4]}" if len(modes) > 1 else "")
         _lines(ax_t, group, "speedup", label, i, batches, name_batch=len(batches) > 1)
-        _lines(ax_m, group, "memory_saved", label, i, batches, 100, name_batch=len(batches) > 1)
+        if memory:
+            _lines(ax_m, group, "memory_saved", label, i, batches, 100, name_batch=len(batches) > 1)
     ax_t.axhline(1.0, color="grey", lw=0.8)
-    ax_m.axhline(0.0, color="grey", lw=0.8)
     ax_t.set(xlabel="resolution (px)", ylabel="throughput / baseline throughput", title="Relative throughput")
-    ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title="Peak memory saved against the baseline")
-    return _finish(fig, (ax_t, ax_m), path, 8)
+    if memory:
+        ax_m.axhline(0.0, color="grey", lw=0.8)
+        ax_m.set(xlabel="resolution (px)", ylabel="memory saved (%)", title="Peak memory saved against the baseline")
+    return _finish(fig, tuple(axes[0]), path, 8)
 
 
 def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
@@ -291,16 +295,19 @@ def plot_models(rows: Sequence[dict], path: str | Path) -> Path | None:
     if not ok:
         return None
     families = sorted({(r["family"], r["size"], _mode(r)) for r in ok})
-    fig, axes = pyplot().subplots(2, len(families), figsize=(4.6 * len(families), 7), squeeze=False)
+    panels = [("images_per_s", "throughput (images/s)")] + (  # a time-only run (--no-memory): no memory row
+        [("peak_mib", "peak memory (MiB)")] if any(r.get("peak_mib") is not None for r in ok) else [])
+    fig, axes = pyplot().subplots(len(panels), len(families), figsize=(4.6 * len(families), 3.5 * len(panels)),
+                                  squeeze=False)
     mixers, batches = sorted({r["mixer"] for r in ok}), sorted({r["batch"] for r in ok})
     for c, fam in enumerate(families):
         for i, mixer in enumerate(mixers):
             group = [r for r in ok if (r["family"], r["size"], _mode(r)) == fam and r["mixer"] == mixer]
-            for ax, y in ((axes[0][c], "images_per_s"), (axes[1][c], "peak_mib")):
-                _lines(ax, group, y, BASELINE_NAMES.get(mixer, mixer), i, batches)
-        axes[0][c].set(title=f"{fam[0]}-{fam[1]}, {fam[2]}", xlabel="resolution (px)", ylabel="throughput (images/s)",
-                       yscale="log")
-        axes[1][c].set(xlabel="resolution (px)", ylabel="peak memory (MiB)", yscale="log")
+            for row, (y, _) in enumerate(panels):
+                _lines(axes[row][c], group, y, BASELINE_NAMES.get(mixer, mixer), i, batches)
+        for row, (_, label) in enumerate(panels):
+            axes[row][c].set(xlabel="resolution (px)", ylabel=label, yscale="log")
+        axes[0][c].set(title=f"{fam[0]}-{fam[1]}, {fam[2]}")
     return _finish(fig, [ax for col in axes for ax in col], path, 7)
 
 
