@@ -405,7 +405,7 @@ def _export(args: argparse.Namespace) -> int:
             except Exception as err:  # the file refused an input it claims to take
                 first = _first_line(err)
                 way = (" (the exporter fixed part of the model's shape arithmetic at the traced size: export it with "
-                       "--static, trace it at a larger --img-size, or export to ONNX)" if i else "")
+                       "--static, or to ONNX)" if i else "")
                 raise UsageError(f"the exported file failed on a batch of shape {check} ({first[:200]}), which the "
                                  f"model takes, so {out} was not written{way}") from None
             print(f"parity on a random batch {check}: max abs difference {measured[-1]:.3e} (tolerance "
