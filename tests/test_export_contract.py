@@ -157,7 +157,7 @@ def _cli_case(family, mixer, task, fmt, dynamo, tmp_path):
     done = _cli(ckpt, "--format", fmt, *([] if fmt != "onnx" or dynamo else ["--onnx-exporter", "torchscript"]))
     static = task == "segmentation" and fmt == "exported-program"
     if static:  # docs/dense.md: its pyramid's arithmetic is fixed at the traced grid, so a dynamic size is refused
-        assert done.returncode == 2 and "export it with --static, or to ONNX" in done.stderr, done.stderr[-2000:]
+        assert done.returncode == 2 and "--static), or to ONNX" in done.stderr, done.stderr[-2000:]
         assert not (tmp_path / f"model{FORMATS[fmt]}").exists()
         done = _cli(ckpt, "--format", fmt, "--static")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -256,7 +256,8 @@ def test_a_dynamic_file_that_refuses_a_grid_it_would_claim_is_not_written(tmp_pa
     _, ckpt = _neighborhood_export(tmp_path)
     done = _cli(ckpt, "--format", "exported-program")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "which the model takes, so" in done.stderr and "export it with --static, or to ONNX" in done.stderr
+    assert "does not take a batch of shape (2, 3, 8, 12), which the model takes" in done.stderr
+    assert "export it with a static shape (dynamic=False, --static), or to ONNX" in done.stderr
     assert not (tmp_path / "model.pt2").exists()
     done = _cli(ckpt, "--format", "onnx")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -137,6 +137,22 @@ def _refuse_empty_batch(program: torch.export.ExportedProgram) -> None:
         program._guards_code = ["L['images'].size()[0] >= 1", *guards]
 
 
+def _check_smallest(program: torch.export.ExportedProgram, model: nn.Module, shape: tuple[int, ...]) -> None:
+    """A ``ValueError`` where the exported program refuses ``shape`` (a grid of 2 x 3 patches) that ``model`` takes:
+    ``torch.export`` kept guards on the traced grid (neighbourhood attention's tiles, a segmentation pyramid)."""
+    x = torch.randn(shape, dtype=next(model.parameters()).dtype)
+    try:
+        model(x)
+    except Exception:  # the model itself refuses it: nothing to claim
+        return
+    try:
+        program.module()(x)
+    except Exception as err:
+        raise ValueError(f"this model's exported program does not take a batch of shape {shape}, which the model "
+                         f"takes ({_first_line(err)[:160]}): torch.export fixed part of its shape arithmetic at the "
+                         "traced size; export it with a static shape (dynamic=False, --static), or to ONNX") from None
+
+
 def export_model(
     model: nn.Module, example: Tensor, path: str | Path, *, format: str, dynamo: bool = True, dynamic: bool = True,
     overwrite: bool = False,
@@ -211,6 +227,8 @@ def export_model(
         else:
             program = torch.export.export(checked, (example,), dynamic_shapes=({**batch, **size},))
             _refuse_empty_batch(program)
+            if size:  # the smallest grid the file would claim, before it is written (guards on the traced grid)
+                _check_smallest(program, model, (b, example.shape[1], 2 * patch, 3 * patch))
             torch.export.save(program, str(path))
     return path
 
