@@ -531,3 +531,37 @@ def test_report_refuses_a_run_whose_config_yaml_relabels_its_model(tiny_run, tmp
     res = ssogvit("report", str(run), "--out", str(tmp_path / "rep"))
     assert_user_error(res, f"ssogvit report: {run / 'config.yaml'} was changed since")
     assert f"model.safetensors {saved!r}" in res.stderr and not (tmp_path / "rep").exists()
+
+
+def test_the_run_folder_rules_hold_through_links_dots_and_every_loader(tiny_run, tmp_path):
+    """The sixth audit's F018, F020, F025, F036, F045, F054, F063: a path is judged by where it lands (`r/../x` is
+    outside the run, a link into it is inside); `save_pretrained` into a run's folder is refused like every writer;
+    `export` (every loader) checks the run's config.yaml against the file, a missing model section included; model
+    methods' flags are checked."""
+    import shutil
+
+    from ssogvit.models import create_model
+    from ssogvit.outputs import OutputError, check_output_file
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    assert check_output_file(run / ".." / "x.json") == run / ".." / "x.json"
+    (tmp_path / "lnk").symlink_to(run)
+    with pytest.raises(OutputError, match="the folder of a run"):
+        check_output_file(tmp_path / "lnk" / "x.json")
+    model = create_model("vit-tiny-ssog", img_size=16, patch_size=4, depth=1)
+    for folder in (run / "sv", tmp_path / "lnk" / "sv"):
+        with pytest.raises(OutputError, match="the folder of a run"):
+            model.save_pretrained(folder)
+    assert not (run / "sv").exists()
+    for bad in (lambda: model.set_grad_checkpointing("no"), lambda: model.set_patch_size(8, rescale_field="no")):
+        with pytest.raises(ValueError, match="expected true or false"):
+            bad()
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    del config["model"]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    res = ssogvit("export", "--ckpt", str(ckpt), "--format", "torchscript", "--out", str(tmp_path / "m.pt"))
+    assert_user_error(res, f"ssogvit export: {run / 'config.yaml'} was changed since {ckpt} was written (config.yaml "
+                           "has no model section)")
+    assert not (tmp_path / "m.pt").exists()

@@ -97,7 +97,7 @@ RUN_STATE_FILE = "run.json"
 
 def run_folder_of(path: str | os.PathLike) -> Path | None:
     """The run folder `path` is or lies inside (the nearest one holding `RUN_STATE_FILE`), or None."""
-    p = Path(path).expanduser().absolute()
+    p = Path(path).expanduser().resolve()  # `..` and links resolved: where the files would land, not how it is spelled
     return next((q for q in (p, *p.parents) if (q / RUN_STATE_FILE).is_file()), None)
 
 
@@ -129,7 +129,7 @@ def _refuse_run_folder(p: Path, where: Path, argument: str, kind: str) -> None:
     """The one rule of both checks: no command writes into a run's folder but the run (`where` is, or lies in, one)."""
     owner = run_folder_of(where)
     if owner is not None:
-        inside = "is" if owner == p.absolute() else f"lies inside {owner}, which is"
+        inside = "is" if owner == p.expanduser().resolve() else f"lies inside {owner}, which is"
         raise OutputError(f"{argument}: {p} {inside} the folder of a run (it holds {RUN_STATE_FILE}); a run folder "
                           f"holds its run's files only: choose a {kind} outside it", argument=argument)
 
@@ -363,6 +363,7 @@ def replace_folder(folder: str | os.PathLike, write: Callable[[Path], None], *, 
     nothing is written. On failure the stage is removed and ``folder`` is left as it was.
     """
     target = Path(folder)
+    _refuse_run_folder(target, target, "folder", "folder")  # a saved model is no run's file
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise FileExistsError(f"{target} exists and is not a folder; save into a folder (nothing was written)")
     if target.is_dir():

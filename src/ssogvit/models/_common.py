@@ -628,7 +628,13 @@ class VisionTransformerBase(TimmVisionTransformer):
 
     # -- transfer --------------------------------------------------------------------------------------------------
 
-    def set_patch_size(self, patch_size: int, rescale_field: bool = False) -> None:
+    @checked
+    def set_grad_checkpointing(self, enable: Annotated[bool, Flag()] = True) -> None:
+        """timm's, its flag checked (a string such as 'no' switched checkpointing on)."""
+        super().set_grad_checkpointing(enable)
+
+    @checked
+    def set_patch_size(self, patch_size: int, rescale_field: Annotated[bool, Flag()] = False) -> None:
         """Convert the model to another patch size in place, without retraining (docs/models.md).
 
         The patch-embedding kernel is resized with the FlexiViT pseudo-inverse, the position embedding bicubically to

@@ -234,6 +234,8 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
     if path.suffix != ".safetensors":
         ckpt = read_checkpoint(path, map_location)
         config = _config_from_ckpt(ckpt, path)
+        hp = ckpt.get("hyper_parameters") or {}
+        check_run_config_yaml(path, hp.get("data") if isinstance(hp.get("data"), dict) else None, config)
         prefix = "ema.module." if use_ema else "model."
         state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
         if not state:
@@ -251,7 +253,11 @@ def read_state_dict(path: str | Path, *, use_ema: bool = False,
         where = (f"its EMA weights are in {ema}" if ema.is_file()
                  else "no EMA export is beside it (trained without EMA?)")
         raise CheckpointError(f"use_ema=True: {path} holds the raw weights of a run, not its EMA weights; {where}")
-    return read_sealed(path, map_location)
+    state, config = read_sealed(path, map_location)
+    record = json.loads(_safetensors_header(path).get(COPY_KEY) or "null")
+    data = record.get("data") if isinstance(record, dict) else None
+    check_run_config_yaml(path, data if isinstance(data, dict) else None, config)
+    return state, config
 
 
 def read_sealed(path: str | Path, map_location: str | torch.device = "cpu", *, ours: bool = True
@@ -309,6 +315,14 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
         return None
     if data is not None and not isinstance(data, dict):
         raise CheckpointError(f"{where}: its data config is not a mapping")
+    return check_run_config_yaml(p, data, model)
+
+
+def check_run_config_yaml(p: Path, data: dict[str, Any] | None, model: Any) -> dict[str, Any] | None:
+    """`data` with the run's `config.yaml` beside the file `p` checked against the file's own record (`data`,
+    `model`): refused (`CheckpointError`, naming the key) where it describes another model or other data but for
+    where the data are and how they load (`IGNORED_KEYS`, taken from it). Every loader of a file in a run folder runs
+    it (`sealed_data_config`, `load_model`)."""
     run_config = p.parent.parent / "config.yaml"
     if p.parent.name in ("checkpoints", "export") and run_config.is_file():
         from .run_folder import IGNORED_KEYS, config_diff
@@ -316,9 +330,9 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
         document = read_document(run_config, "the run's config.yaml")
         document = document if isinstance(document, dict) else {}
         recorded = document.get("data")
-        differ = [] if data is None else config_diff({"data": data}, {"data": recorded}, labels=(p.name,
-                                                                                                 "config.yaml"))
-        differ = differ or _model_differs(model, document.get("model"), p)
+        differ = ([] if data is None else ["config.yaml has no data section"] if not isinstance(recorded, dict)
+                  else config_diff({"data": data}, {"data": recorded}, labels=(p.name, "config.yaml")))
+        differ = differ or (_model_differs(model, document.get("model"), p) if _run_command(p) == "train" else [])
         if differ:
             raise CheckpointError(f"{run_config} was changed since {p} was written ({differ[0]}): the file's own "
                                   f"record holds; restore the run's config.yaml")
@@ -326,6 +340,16 @@ def sealed_data_config(path: str | Path) -> dict[str, Any] | None:
             moved = {k[len("data."):] for k in IGNORED_KEYS if k.startswith("data.")} & set(recorded or {})
             data = {**data, **{k: recorded[k] for k in moved}}
     return data
+
+
+def _run_command(p: Path) -> str | None:
+    """The command whose run folder holds the file `p` (its `run.json`): a `train` run's config.yaml describes its
+    model; a `transfer` or `convert` run's model is its source's or teacher's, which its config.yaml does not hold."""
+    try:
+        state = json.loads((p.parent.parent / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get("command") if isinstance(state, dict) else None
 
 
 def sealed_record(path: Path) -> dict[str, Any] | None:
@@ -347,8 +371,10 @@ def _model_differs(model: Any, section: Any, path: Path) -> list[str]:
     is not a model of ours by name (a converted timm student)."""
     from .run_folder import config_diff
 
-    if not isinstance(model, Mapping) or "name" not in model or not isinstance(section, Mapping):
+    if not isinstance(model, Mapping) or "name" not in model:
         return []
+    if not isinstance(section, Mapping):
+        return ["config.yaml has no model section"]
     kwargs = section.get("kwargs") if isinstance(section.get("kwargs"), Mapping) else {}
     parts = [section.get(k) for k in ("family", "size", "mixer")]
     if all(isinstance(x, str) for x in parts) and "-".join(parts) != model["name"]:  # what a report labels runs by
