@@ -565,3 +565,14 @@ def test_the_run_folder_rules_hold_through_links_dots_and_every_loader(tiny_run,
     assert_user_error(res, f"ssogvit export: {run / 'config.yaml'} was changed since {ckpt} was written (config.yaml "
                            "has no model section)")
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_hydra_override_given_twice_is_refused(lone_export, tmp_path):
+    """The sixth audit's F071-F077: Hydra applies the last of two overrides of one key without a word (`seed=1
+    seed=2` trained with seed 2); every command refuses it, as argparse options given twice are."""
+    out = tmp_path / "r"
+    res = ssogvit("train", "data=synthetic", "++seed=3", "seed=4", f"output_dir={out}")
+    assert_user_error(res, "ssogvit train: seed is given twice (++seed=3, then seed=4); give it once")
+    res = ssogvit("eval", "--ckpt", str(lone_export), "data.eval_batch_size=8", "data.eval_batch_size=9")
+    assert_user_error(res, "ssogvit eval: data.eval_batch_size is given twice")
+    assert not out.exists()

@@ -111,11 +111,13 @@ def run_overrides(run: MainRun, epochs: int | None) -> list[str]:
     """The Hydra overrides of one run: its experiment, head, seed and folder, then the user's overrides."""
     import torch
 
+    from .config import split_override
+
     out = [f"experiment={run.experiment}", f"model.kwargs.global_pool={run.head}", f"seed={run.seed}",
            f"output_dir={run.folder}", "resume=null", "progress.mode=none", "logger=[csv]"]
     if epochs is not None:
         out.append(f"trainer.max_epochs={epochs}")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not any(split_override(o)[0] == "trainer.accelerator" for o in run.overrides):
         out.append("trainer.accelerator=cpu")
     return out + list(run.overrides)
 
