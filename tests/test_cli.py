@@ -576,3 +576,12 @@ def test_a_hydra_override_given_twice_is_refused(lone_export, tmp_path):
     res = ssogvit("eval", "--ckpt", str(lone_export), "data.eval_batch_size=8", "data.eval_batch_size=9")
     assert_user_error(res, "ssogvit eval: data.eval_batch_size is given twice")
     assert not out.exists()
+
+
+def test_report_refuses_a_run_given_twice(tiny_run, tmp_path):
+    """The sixth audit's F115-F116: one run given twice (or through a link) was reported as two."""
+    (tmp_path / "lnk").symlink_to(tiny_run)
+    for again in (str(tiny_run), str(tmp_path / "lnk")):
+        res = ssogvit("report", str(tiny_run), again, "--out", str(tmp_path / "rep"))
+        assert_user_error(res, f"ssogvit report: {again} is the run {tiny_run} again; give each run once")
+    assert not (tmp_path / "rep").exists()

@@ -134,10 +134,15 @@ def load_models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], dict[st
                                   "img_size": img}
         if img < 128:
             kwargs["patch_size"] = max(1, img // 8)
+        given: dict[str, str] = {}
         for item in args.model_kw:
             key, value = split_override(item)
             if value is None:
                 raise UsageError(f"--model-kw {item!r} is not KEY=VALUE (e.g. --model-kw depth=2)")
+            if key.strip() in given:
+                raise UsageError(f"--model-kw {key.strip()} is given twice ({given[key.strip()]}, then {item}); "
+                                 "give it once")
+            given[key.strip()] = item
             kwargs[key.strip()] = yaml.safe_load(value)
         for name in args.model:
             torch.manual_seed(args.seed)

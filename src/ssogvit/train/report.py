@@ -536,6 +536,12 @@ REPORT_FILE = re.compile(r"(table\d+|segmentation|runs|sweep|reproduction)\.md"
 def _report(args: argparse.Namespace) -> list[Path]:
     from .config import experiment_rows
 
+    seen: dict[Path, str] = {}
+    for p in args.runs:  # one run once, however it is spelled (a link, a trailing slash)
+        where = Path(p).expanduser().resolve()
+        if where in seen:
+            raise ReportError(f"{p} is the run {seen[where]} again; give each run once")
+        seen[where] = str(p)
     runs = [read_run(p) for p in args.runs]
     tables = sorted({int(m["table"]) for r in runs for m in r.rows})
     if args.table is not None:
