@@ -567,17 +567,6 @@ def test_the_run_folder_rules_hold_through_links_dots_and_every_loader(tiny_run,
     assert not (tmp_path / "m.pt").exists()
 
 
-def test_a_hydra_override_given_twice_is_refused(lone_export, tmp_path):
-    """The sixth audit's F071-F077: Hydra applies the last of two overrides of one key without a word (`seed=1
-    seed=2` trained with seed 2); every command refuses it, as argparse options given twice are."""
-    out = tmp_path / "r"
-    res = ssogvit("train", "data=synthetic", "++seed=3", "seed=4", f"output_dir={out}")
-    assert_user_error(res, "ssogvit train: seed is given twice (++seed=3, then seed=4); give it once")
-    res = ssogvit("eval", "--ckpt", str(lone_export), "data.eval_batch_size=8", "data.eval_batch_size=9")
-    assert_user_error(res, "ssogvit eval: data.eval_batch_size is given twice")
-    assert not out.exists()
-
-
 def test_report_refuses_a_run_given_twice(tiny_run, tmp_path):
     """The sixth audit's F115-F116: one run given twice (or through a link) was reported as two."""
     (tmp_path / "lnk").symlink_to(tiny_run)

@@ -16,7 +16,7 @@ from ssogvit.specs import PATCH_SIZE, Int, add_img_size_option
 from ssogvit.layers import is_ssog
 from ssogvit.outputs import OVERWRITE_FLAG, check_output_file, write_json
 
-from .config import refuse_repeated, split_override
+from .config import split_override
 
 __all__ = ["train_main", "eval_main", "transfer_main", "list_main", "evaluate", "run_config_command"]
 
@@ -195,7 +195,6 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
                           f"with H = W (`ssogvit export` traces any H W)")
     args.img_size = pair[0] if pair else None
     _refuse_flag_overrides("eval", {"data.img_size": "--img-size"} if args.img_size else {}, overrides)
-    refuse_repeated(overrides)
     if args.rescale_field and not (args.img_size or args.patch_size):
         raise ConfigError("--rescale-field rescales the field to another grid: give --img-size and/or --patch-size")
     check_device(args.device, "--device", compute=True)

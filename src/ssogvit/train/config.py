@@ -55,19 +55,6 @@ def split_override(override: str) -> tuple[str, str | None]:
     return key.lstrip("+~"), value if sep else None
 
 
-def refuse_repeated(overrides: Sequence[str]) -> None:
-    """A `ConfigError` for a key given twice (`seed=1 seed=2`, `++seed=3 seed=4`): Hydra applies the last without a
-    word, as argparse did with a repeated option (`ssogvit.errors.ArgumentParser` refuses those)."""
-    from .errors import ConfigError
-
-    seen: dict[str, str] = {}
-    for override in overrides:
-        key = split_override(override)[0].lstrip("+")
-        if key in seen:
-            raise ConfigError(f"{key} is given twice ({seen[key]}, then {override}); give it once")
-        seen[key] = override
-
-
 def quote_override(override: str) -> str:
     """`key=value` with `value` quoted for Hydra where it holds characters Hydra's grammar would read otherwise.
 
@@ -110,8 +97,6 @@ def compose(overrides: Sequence[str] = (), *, config_name: str = "config", allow
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-
-    refuse_repeated(overrides)
 
     overrides = [quote_override(o) for o in overrides]
     GlobalHydra.instance().clear()

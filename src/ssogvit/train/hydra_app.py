@@ -90,13 +90,12 @@ def _check_overrides(overrides: Sequence[str]) -> None:
     """Refuse, naming it, an override that is not `key=value` or that Hydra's grammar cannot read."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from .config import quote_override, refuse_repeated
+    from .config import quote_override
     from .errors import ConfigError
 
     bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bare:
         raise ConfigError(f"{bare[0]!r} is not an override key=value (e.g. experiment=digits_vit_ssog)")
-    refuse_repeated(overrides)
     parser = OverridesParser.create()
     for override in overrides:
         try:

@@ -380,12 +380,15 @@ def _model_differs(model: Any, section: Any, path: Path) -> list[str]:
     if all(isinstance(x, str) for x in parts) and "-".join(parts) != model["name"]:  # what a report labels runs by
         return [f"model.family, size, mixer: {path.name} {model['name']!r}, config.yaml {'-'.join(parts)!r}"]
     described = {"name": section.get("name"), **{k: v for k, v in kwargs.items() if v is not None}}
+    given = set(described)  # a null kwarg is the data's or the model's default: the run filled it, not config.yaml
     try:
         described = _file_model_config(described, "config.yaml")
     except CheckpointError as err:
         return [f"model: {err}"]
-    return config_diff({"model": json.loads(json.dumps(dict(model), default=str))},
-                       {"model": json.loads(json.dumps(described, default=str))}, labels=(path.name, "config.yaml"))
+    return config_diff({"model": json.loads(json.dumps({k: v for k, v in dict(model).items() if k in given},
+                                                       default=str))},
+                       {"model": json.loads(json.dumps({k: v for k, v in described.items() if k in given},
+                                                       default=str))}, labels=(path.name, "config.yaml"))
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
